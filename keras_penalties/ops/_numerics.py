@@ -1,0 +1,180 @@
+"""Shared numerics and argument checks for every penalty in `keras_penalties.ops`.
+
+Each penalty converts its inputs with `to_compute`, does its math in a dtype
+that is stable (float16/bfloat16 are computed in float32), and casts the result
+back with `from_compute`. Logs go through `safe_log` or `log_softmax`, norms
+through `safe_norm`, so values and gradients stay finite at exact zeros and at
+extreme logits.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+REDUCTIONS = ("sum", "mean", "none")
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+# ---------------------------------------------------------------- argument checks
+# They run on Python values before any tensor work, so a wrong option fails
+# with a message naming it, not deep inside a trace.
+
+
+def check_choice(name, value, allowed):
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(
+            f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; "
+            f"got {value!r}."
+        )
+    return value
+
+
+def check_number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"`{name}` must be a number; got {value!r}.")
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite; got {value!r}.")
+    return float(value)
+
+
+def check_positive(name, value):
+    value = check_number(name, value)
+    if value <= 0:
+        raise ValueError(f"`{name}` must be > 0; got {value!r}.")
+    return value
+
+
+def check_non_negative(name, value):
+    value = check_number(name, value)
+    if value < 0:
+        raise ValueError(f"`{name}` must be >= 0; got {value!r}.")
+    return value
+
+
+def check_closed_unit(name, value):
+    value = check_number(name, value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"`{name}` must be in [0, 1]; got {value!r}.")
+    return value
+
+
+def check_open_unit(name, value):
+    value = check_number(name, value)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"`{name}` must be in the open interval (0, 1); got {value!r}.")
+    return value
+
+
+def check_axis(name, axis, ndim):
+    """Returns `axis` as a non-negative int for a tensor of rank `ndim`."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int; got {axis!r}.")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`{name}`={axis} is out of range for an input of rank {ndim}."
+        )
+    return int(axis) % ndim
+
+
+def check_same_shape(names, a, b):
+    """Raises if two tensors' static shapes differ where both are known."""
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    compatible = len(sa) == len(sb) and all(
+        x is None or y is None or x == y for x, y in zip(sa, sb)
+    )
+    if not compatible:
+        raise ValueError(
+            f"`{names[0]}` and `{names[1]}` must have the same shape; "
+            f"got {sa} and {sb}."
+        )
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def to_compute(*tensors):
+    """Converts inputs to tensors in one stable compute dtype.
+
+    Returns `(tensors_in_compute_dtype, output_dtype)`. Half-precision inputs
+    are computed in float32 and the result is cast back to their dtype;
+    integer inputs are computed and returned in `keras.config.floatx()`.
+    """
+    tensors = [ops.convert_to_tensor(t) for t in tensors]
+    dtype = _common_float_dtype(
+        [keras.backend.standardize_dtype(t.dtype) for t in tensors]
+    )
+    compute = "float32" if dtype in _HALF_DTYPES else dtype
+    return [ops.cast(t, compute) for t in tensors], dtype
+
+
+def _common_float_dtype(dtypes):
+    # Not keras.backend.result_type: on some backends it resolves float64 to
+    # floatx, and a float64 input must keep float64.
+    floats = sorted(set(d for d in dtypes if "float" in d))
+    if not floats:
+        return keras.config.floatx()
+    if len(floats) == 1:
+        return floats[0]
+    widest = max(floats, key=lambda d: np.dtype(d if d != "bfloat16" else "float16").itemsize)
+    return "float32" if widest in _HALF_DTYPES else widest
+
+
+def from_compute(x, dtype):
+    return ops.cast(x, dtype)
+
+
+# ---------------------------------------------------------------- safe math
+
+
+def _tiny(dtype):
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)
+
+
+def safe_log(x):
+    """log(x) floored at the dtype's smallest normal number.
+
+    The floor makes log(0) finite (about -87 in float32) and its gradient zero,
+    so 0 * log(0) is 0 in the value and NaN-free in the gradient.
+    """
+    return ops.log(ops.maximum(x, _tiny(x.dtype)))
+
+
+def safe_norm(x, axis=None, keepdims=False):
+    """Euclidean norm with a zero (not NaN) gradient where the norm is zero."""
+    sq = ops.sum(ops.square(x), axis=axis, keepdims=keepdims)
+    positive = sq > 0
+    root = ops.sqrt(ops.where(positive, sq, ops.ones_like(sq)))
+    return ops.where(positive, root, ops.zeros_like(sq))
+
+
+def log_probs(x, *, from_logits, temperature, axis):
+    """Log-probabilities along `axis` of logits or probabilities.
+
+    Logits are divided by `temperature` and log-softmaxed. Probabilities are
+    used as given at temperature 1; otherwise p^(1/T) is renormalised, which
+    is log_softmax(log(p) / T).
+    """
+    if from_logits:
+        return ops.log_softmax(x / temperature if temperature != 1.0 else x, axis=axis)
+    logp = safe_log(x)
+    if temperature != 1.0:
+        logp = ops.log_softmax(logp / temperature, axis=axis)
+    return logp
+
+
+def probs_and_log_probs(x, *, from_logits, temperature, axis):
+    """`(p, log p)` along `axis`; given probabilities at T=1 are kept exactly."""
+    logp = log_probs(x, from_logits=from_logits, temperature=temperature, axis=axis)
+    if not from_logits and temperature == 1.0:
+        return x, logp
+    return ops.exp(logp), logp
+
+
+def reduce(values, reduction):
+    if reduction == "sum":
+        return ops.sum(values)
+    if reduction == "mean":
+        return ops.mean(values)
+    return values

@@ -1,0 +1,238 @@
+"""Distribution penalties: KL, JS, entropy, consistency and KL sparsity.
+
+Conventions shared by all of them:
+
+- Natural logarithms (nats).
+- `from_logits=False`: inputs are probabilities along `axis`;
+  `from_logits=True`: inputs are logits (log-probabilities are valid logits).
+  From logits, only log-softmax / logsumexp are used, never softmax-then-log.
+- `temperature` T divides logits, or turns probabilities p into p^(1/T)
+  renormalised, before the divergence.
+- 0·log 0 = 0, and gradients stay finite for exact zeros in p or q and for
+  logits of ±1e4.
+- `reduction` reduces the per-sample values, i.e. over every axis but `axis`.
+"""
+
+import math
+
+from keras import ops
+
+from keras_penalties.ops import _numerics as num
+
+DIRECTIONS = ("forward", "reverse", "symmetric")
+METRICS = ("mse", "l1", "cosine", "kl", "js")
+
+
+def _check_pair(p, q, names, axis, from_logits, temperature, reduction):
+    """Validates options, then converts both inputs; returns (p, q, dtype, axis)."""
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    temperature = num.check_positive("temperature", temperature)
+    if not isinstance(from_logits, bool):
+        raise TypeError(f"`from_logits` must be a bool; got {from_logits!r}.")
+    (p, q), dtype = num.to_compute(p, q)
+    num.check_same_shape(names, p, q)
+    axis = num.check_axis("axis", axis, max(len(p.shape), 1))
+    return p, q, dtype, axis, temperature
+
+
+def _kl_from_log(p, logp, logq, axis):
+    """Σ p (log p − log q) along `axis`."""
+    return ops.sum(p * (logp - logq), axis=axis)
+
+
+def kl_divergence(
+    p,
+    q,
+    *,
+    from_logits=False,
+    direction="forward",
+    temperature=1.0,
+    axis=-1,
+    reduction="mean",
+):
+    """Kullback-Leibler divergence between two distributions along `axis`.
+
+    forward: KL(p‖q) = Σ p (log p − log q); reverse: KL(q‖p);
+    symmetric: ½(KL(p‖q) + KL(q‖p)). In nats. `p` is the reference (e.g. a
+    teacher or target), `q` the approximation (e.g. a model's output).
+
+    Args:
+        p, q: tensors of the same shape; probabilities along `axis`, or
+            logits if `from_logits`.
+        from_logits: whether p and q are logits.
+        direction: `"forward"`, `"reverse"` or `"symmetric"`.
+        temperature: T > 0 applied to both distributions (see module doc).
+        axis: the distribution axis.
+        reduction: `"mean"` (default) or `"sum"` over the remaining axes, or
+            `"none"` for the per-sample values.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> round(float(P.kl_divergence([0.5, 0.5], [0.25, 0.75])), 6)  # ½ln2 + ½ln(2/3)
+    0.143841
+    """
+    num.check_choice("direction", direction, DIRECTIONS)
+    p, q, dtype, axis, temperature = _check_pair(
+        p, q, ("p", "q"), axis, from_logits, temperature, reduction
+    )
+    kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
+    p, logp = num.probs_and_log_probs(p, **kw)
+    q, logq = num.probs_and_log_probs(q, **kw)
+    if direction == "forward":
+        values = _kl_from_log(p, logp, logq, axis)
+    elif direction == "reverse":
+        values = _kl_from_log(q, logq, logp, axis)
+    else:
+        values = 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
+    return num.from_compute(num.reduce(values, reduction), dtype)
+
+
+def _js_values(p, q, *, from_logits, temperature, axis):
+    kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
+    p, logp = num.probs_and_log_probs(p, **kw)
+    q, logq = num.probs_and_log_probs(q, **kw)
+    # log m = log((p + q) / 2), formed from the logs so it stays finite.
+    logm = ops.logaddexp(logp, logq) - math.log(2.0)
+    return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
+
+
+def js_divergence(p, q, *, from_logits=False, temperature=1.0, axis=-1, reduction="mean"):
+    """Jensen-Shannon divergence: ½KL(p‖m) + ½KL(q‖m), m = (p + q)/2.
+
+    Symmetric, in nats, so 0 ≤ JS ≤ ln 2. Arguments as in `kl_divergence`.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> round(float(P.js_divergence([1.0, 0.0], [0.0, 1.0])), 6)  # ln 2
+    0.693147
+    """
+    p, q, dtype, axis, temperature = _check_pair(
+        p, q, ("p", "q"), axis, from_logits, temperature, reduction
+    )
+    values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis)
+    return num.from_compute(num.reduce(values, reduction), dtype)
+
+
+def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean"):
+    """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
+
+    Args:
+        x: probabilities along `axis`, or logits if `from_logits`.
+        from_logits: whether x holds logits.
+        normalize: divide by ln(K), K the size of `axis`, so 0 ≤ H ≤ 1
+            (a single-class axis has entropy 0).
+        temperature: T > 0 (see module doc).
+        axis: the distribution axis.
+        reduction: `"mean"` (default), `"sum"` or `"none"` over the remaining
+            axes.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> round(float(P.entropy([0.25, 0.25, 0.25, 0.25])), 6)  # ln 4
+    1.386294
+    >>> float(P.entropy([0.25, 0.25, 0.25, 0.25], normalize=True))
+    1.0
+    """
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    temperature = num.check_positive("temperature", temperature)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"`normalize` must be a bool; got {normalize!r}.")
+    (x,), dtype = num.to_compute(x)
+    axis = num.check_axis("axis", axis, max(len(x.shape), 1))
+    p, logp = num.probs_and_log_probs(
+        x, from_logits=from_logits, temperature=temperature, axis=axis
+    )
+    values = -ops.sum(p * logp, axis=axis)
+    if normalize:
+        # A one-class axis has H = 0; dividing by ln 1 = 0 would make it NaN.
+        log_k = ops.log(ops.cast(ops.shape(x)[axis], values.dtype))
+        values = ops.where(log_k > 0, values / ops.where(log_k > 0, log_k, 1.0), 0.0)
+    return num.from_compute(num.reduce(values, reduction), dtype)
+
+
+def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="mean"):
+    """Disagreement between two views of the same samples (consistency regularization).
+
+    metric:
+        - `"mse"`: mean over `axis` of (a − b)²;
+        - `"l1"`: mean over `axis` of |a − b|;
+        - `"cosine"`: 1 − cos(a_i, b_i), each sample taken over all non-batch
+          axes (axis 0 is the batch; `axis` is not used); 0 for a zero vector's
+          similarity;
+        - `"kl"`: symmetric KL along `axis`;
+        - `"js"`: Jensen-Shannon divergence along `axis`.
+
+    With `from_logits=True` inputs are logits along `axis`: kl/js work from
+    their log-softmax, mse/l1/cosine compare the softmax probabilities.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.consistency([[1.0, 2.0]], [[1.0, 4.0]]))  # ((0)² + 2²) / 2
+    2.0
+    >>> float(P.consistency([[1.0, 0.0]], [[0.0, 1.0]], metric="cosine"))
+    1.0
+    """
+    num.check_choice("metric", metric, METRICS)
+    a, b, dtype, axis, _ = _check_pair(a, b, ("a", "b"), axis, from_logits, 1.0, reduction)
+    if metric == "kl":
+        pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
+        pb, logb = num.probs_and_log_probs(b, from_logits=from_logits, temperature=1.0, axis=axis)
+        values = 0.5 * (_kl_from_log(pa, loga, logb, axis) + _kl_from_log(pb, logb, loga, axis))
+    elif metric == "js":
+        values = _js_values(a, b, from_logits=from_logits, temperature=1.0, axis=axis)
+    else:
+        if from_logits:
+            a, b = ops.softmax(a, axis=axis), ops.softmax(b, axis=axis)
+        if metric == "mse":
+            values = ops.mean(ops.square(a - b), axis=axis)
+        elif metric == "l1":
+            values = ops.mean(ops.abs(a - b), axis=axis)
+        else:
+            if len(a.shape) < 2:
+                raise ValueError(
+                    "`metric='cosine'` compares samples along axis 0: `a` and "
+                    f"`b` need rank >= 2; got shape {tuple(a.shape)}."
+                )
+            features = tuple(range(1, len(a.shape)))
+            na = num.safe_norm(a, axis=features)
+            nb = num.safe_norm(b, axis=features)
+            dot = ops.sum(a * b, axis=features)
+            denom = na * nb
+            positive = denom > 0
+            cos = ops.where(positive, dot / ops.where(positive, denom, 1.0), 0.0)
+            values = 1.0 - cos
+    return num.from_compute(num.reduce(values, reduction), dtype)
+
+
+def kl_sparsity(x, *, target=0.05, axis=0):
+    """Sparse-autoencoder penalty: Σ_j KL(ρ‖ρ̂_j) between Bernoulli means.
+
+    ρ̂_j is unit j's mean activation over the batch axis `axis`, ρ = `target`;
+    KL(ρ‖ρ̂) = ρ log(ρ/ρ̂) + (1 − ρ) log((1 − ρ)/(1 − ρ̂)), summed over units
+    (every other axis). Activations must lie in (0, 1), e.g. after a sigmoid;
+    ρ̂ of exactly 0 or 1 gives a large finite value, not Inf.
+
+    Args:
+        x: activations, shape [batch, ...units].
+        target: ρ in (0, 1), the desired mean activation.
+        axis: the batch axis (an int).
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> x = [[0.05, 0.5], [0.05, 0.5]]  # unit 0 far below ρ = 0.5, unit 1 on it
+    >>> round(float(P.kl_sparsity(x, target=0.5)), 4)  # ½ln(.5/.05) + ½ln(.5/.95)
+    0.8304
+    """
+    target = num.check_open_unit("target", target)
+    (x,), dtype = num.to_compute(x)
+    axis = num.check_axis("axis", axis, max(len(x.shape), 1))
+    rho_hat = ops.mean(x, axis=axis)
+    values = target * (math.log(target) - num.safe_log(rho_hat)) + (1.0 - target) * (
+        math.log(1.0 - target) - num.safe_log(1.0 - rho_hat)
+    )
+    return num.from_compute(ops.sum(values), dtype)

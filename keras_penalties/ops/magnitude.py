@@ -1,0 +1,121 @@
+"""Magnitude penalties: L1, L2, elastic net and output magnitude."""
+
+from keras import ops
+
+from keras_penalties.ops import _numerics as num
+
+
+def l1(x, *, reduction="sum"):
+    """L1 penalty: Σ|x|.
+
+    Args:
+        x: tensor of any shape.
+        reduction: `"sum"` (default) or `"mean"` over all elements, or
+            `"none"` for the elementwise |x|.
+
+    Returns:
+        A scalar (or, with `reduction="none"`, a tensor shaped like `x`) in
+        x's float dtype.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.l1([[1.0, -2.0], [3.0, -4.0]]))
+    10.0
+    """
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    (x,), dtype = num.to_compute(x)
+    return num.from_compute(num.reduce(ops.abs(x), reduction), dtype)
+
+
+def l2(x, *, reduction="sum", center=None, clip=None):
+    """L2 penalty: Σ(x − c)², without the ½ (the Keras convention).
+
+    Args:
+        x: tensor of any shape.
+        reduction: `"sum"` (default), `"mean"` or `"none"` (elementwise).
+        center: `None` (c = 0), a number, or `"mean"` (c = mean of x, so the
+            penalty is the spread of x around its own mean).
+        clip: `None`, or a positive number: (x − c) is clipped to
+            [−clip, clip] before squaring, bounding each element's pull.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.l2([[1.0, -2.0], [3.0, -4.0]]))
+    30.0
+    >>> float(P.l2([1.0, 3.0], center="mean"))  # (1-2)² + (3-2)²
+    2.0
+    >>> float(P.l2([0.5, 3.0], clip=1.0))  # 0.5² + 1²
+    1.25
+    """
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    if center is not None and center != "mean":
+        if isinstance(center, str):
+            raise ValueError(
+                f"`center` must be None, a number or 'mean'; got {center!r}."
+            )
+        center = num.check_number("center", center)
+    if clip is not None:
+        clip = num.check_positive("clip", clip)
+    (x,), dtype = num.to_compute(x)
+    if center == "mean":
+        x = x - ops.mean(x)
+    elif center is not None and center != 0.0:
+        x = x - center
+    if clip is not None:
+        x = ops.clip(x, -clip, clip)
+    return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
+
+
+def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
+    """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
+
+    Args:
+        x: tensor of any shape.
+        l1_ratio: α in [0, 1]; 1 is pure L1, 0 pure L2.
+        reduction: `"sum"` (default), `"mean"` or `"none"` (elementwise).
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.elastic_net([1.0, -2.0], l1_ratio=0.25))  # .25·3 + .75·5
+    4.5
+    """
+    l1_ratio = num.check_closed_unit("l1_ratio", l1_ratio)
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    (x,), dtype = num.to_compute(x)
+    values = l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x)
+    return num.from_compute(num.reduce(values, reduction), dtype)
+
+
+def output_magnitude(x, *, target=1.0, reduction="mean"):
+    """Output magnitude penalty: (‖x_i‖₂ − target)² per sample.
+
+    Axis 0 is the batch; each sample's norm is taken over all its other axes
+    (a rank-1 `x` is a batch of scalars). The norm has a finite gradient at
+    zero.
+
+    Args:
+        x: tensor of shape [batch, ...].
+        target: the norm each sample is pulled towards (≥ 0).
+        reduction: `"mean"` (default) or `"sum"` over samples, or `"none"`
+            for the per-sample values, shape [batch].
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.output_magnitude([[3.0, 4.0], [0.0, 0.0]]))  # ((5-1)² + 1) / 2
+    8.5
+    """
+    target = num.check_non_negative("target", target)
+    num.check_choice("reduction", reduction, num.REDUCTIONS)
+    (x,), dtype = num.to_compute(x)
+    if len(x.shape) == 0:
+        raise ValueError("`x` must have a batch axis (rank >= 1); got a scalar.")
+    if len(x.shape) == 1:
+        norms = ops.abs(x)
+    else:
+        norms = num.safe_norm(x, axis=tuple(range(1, len(x.shape))))
+    values = ops.square(norms - target)
+    return num.from_compute(num.reduce(values, reduction), dtype)

@@ -1,0 +1,58 @@
+"""Helpers every test module shares: conversion, gradients, finite differences.
+
+The suite runs once per backend (KERAS_BACKEND); nothing here branches on it
+except `float64_scope`, because JAX keeps float64 off unless asked.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_penalties.gradients import input_gradient
+
+BACKEND = keras.backend.backend()
+
+
+def to_numpy(x):
+    """A tensor as a NumPy array; half precision goes through float32
+    (NumPy cannot hold bfloat16, and TF's bfloat16 fails np.array)."""
+    x = ops.convert_to_tensor(x)
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    if dtype in ("float16", "bfloat16"):
+        x = ops.cast(x, "float32")
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def grad(fn, x):
+    """NumPy gradient of Σ fn(x) w.r.t. x, through the package's own dispatcher."""
+    return to_numpy(input_gradient(fn, ops.convert_to_tensor(x)))
+
+
+@contextlib.contextmanager
+def float64_scope():
+    """Lets float64 tensors be float64 on every backend (JAX needs x64 on)."""
+    if BACKEND == "jax":
+        import jax
+
+        with jax.enable_x64(True):
+            yield
+    else:
+        yield
+
+
+def central_difference(fn, x, eps=1e-6):
+    """d fn / dx by central differences; fn maps a float64 array to a scalar."""
+    x = np.array(x, dtype=np.float64)
+    out = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[i] = eps
+        out[i] = (float(fn(x + step)) - float(fn(x - step))) / (2 * eps)
+    return out
+
+
+def assert_finite(x, what):
+    x = np.asarray(x)
+    assert np.all(np.isfinite(x)), f"{what} has non-finite entries: {x}"
