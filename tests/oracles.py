@@ -179,7 +179,7 @@ class Case:
 
     def shapes(self):
         shapes = SHAPES[self.kind]
-        if self.options.get("axis", -1) != -1 and self.kind != "unit":
+        if self.options.get("axis", -1) not in (-1, "columns", "rows") and self.kind != "unit":
             shapes = [s for s in shapes if len(s) == 3]
         if self.options.get("metric") == "cosine":  # needs a batch axis
             shapes = [s for s in shapes if len(s) >= 2]

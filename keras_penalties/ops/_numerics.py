@@ -132,13 +132,41 @@ def _tiny(dtype):
     return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)
 
 
+# keras.ops.maximum, logaddexp, mean (and matmul on torch) go through
+# keras.backend.result_type, which maps float64 to float32: they would compute
+# float64 inputs in float32. The helpers below, and `ops.einsum` for products,
+# keep float64 exact.
+
+
+def mean(x, axis=None):
+    """Mean over `axis` (an int, a tuple, or None for all axes)."""
+    axes = range(len(x.shape)) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+    shape = ops.shape(x)
+    count = 1
+    for a in axes:
+        count = count * shape[a]
+    total = ops.sum(x, axis=axis)
+    return total / ops.cast(count, total.dtype)
+
+
 def safe_log(x):
     """log(x) floored at the dtype's smallest normal number.
 
     The floor makes log(0) finite (about -87 in float32) and its gradient zero,
     so 0 * log(0) is 0 in the value and NaN-free in the gradient.
     """
-    return ops.log(ops.maximum(x, _tiny(x.dtype)))
+    tiny = _tiny(x.dtype)
+    return ops.log(ops.where(x > tiny, x, tiny))
+
+
+def logaddexp(a, b):
+    """log(exp(a) + exp(b)), stable for any magnitudes.
+
+    The shift m = max(a, b) cancels exactly in the value, so stopping its
+    gradient leaves the gradient exact (½ and ½ where a == b).
+    """
+    m = ops.stop_gradient(ops.where(a > b, a, b))
+    return m + ops.log(ops.exp(a - m) + ops.exp(b - m))
 
 
 def safe_norm(x, axis=None, keepdims=False):
@@ -176,5 +204,5 @@ def reduce(values, reduction):
     if reduction == "sum":
         return ops.sum(values)
     if reduction == "mean":
-        return ops.mean(values)
+        return mean(values)
     return values

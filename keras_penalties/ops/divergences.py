@@ -93,7 +93,7 @@ def _js_values(p, q, *, from_logits, temperature, axis):
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
     # log m = log((p + q) / 2), formed from the logs so it stays finite.
-    logm = ops.logaddexp(logp, logq) - math.log(2.0)
+    logm = num.logaddexp(logp, logq) - math.log(2.0)
     return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
 
 
@@ -188,9 +188,9 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
         if from_logits:
             a, b = ops.softmax(a, axis=axis), ops.softmax(b, axis=axis)
         if metric == "mse":
-            values = ops.mean(ops.square(a - b), axis=axis)
+            values = num.mean(ops.square(a - b), axis=axis)
         elif metric == "l1":
-            values = ops.mean(ops.abs(a - b), axis=axis)
+            values = num.mean(ops.abs(a - b), axis=axis)
         else:
             if len(a.shape) < 2:
                 raise ValueError(
@@ -231,7 +231,7 @@ def kl_sparsity(x, *, target=0.05, axis=0):
     target = num.check_open_unit("target", target)
     (x,), dtype = num.to_compute(x)
     axis = num.check_axis("axis", axis, max(len(x.shape), 1))
-    rho_hat = ops.mean(x, axis=axis)
+    rho_hat = num.mean(x, axis=axis)
     values = target * (math.log(target) - num.safe_log(rho_hat)) + (1.0 - target) * (
         math.log(1.0 - target) - num.safe_log(1.0 - rho_hat)
     )

@@ -60,7 +60,7 @@ def l2(x, *, reduction="sum", center=None, clip=None):
         clip = num.check_positive("clip", clip)
     (x,), dtype = num.to_compute(x)
     if center == "mean":
-        x = x - ops.mean(x)
+        x = x - num.mean(x)
     elif center is not None and center != 0.0:
         x = x - center
     if clip is not None:

@@ -52,7 +52,7 @@ def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
     if normalize:
         norms = num.safe_norm(v, axis=0, keepdims=True)
         v = v / ops.where(norms > 0, norms, ops.ones_like(norms))
-    gram = ops.matmul(ops.transpose(v), v)
+    gram = ops.einsum("ik,il->kl", v, v)
     eye = ops.eye(gram.shape[0], dtype=gram.dtype)
     if mode == "soft":
         value = ops.sum(ops.square(gram * (1.0 - eye)))
