@@ -22,9 +22,12 @@ def _reduce(values, reduction):
 
 
 def _dist(x, from_logits=False, temperature=1.0, axis=-1):
-    """Probabilities along axis, after temperature."""
+    """Probabilities along axis, after temperature. At T = 1 given
+    probabilities are used as they are (as keras.losses.KLDivergence does)."""
     if from_logits:
         return special.softmax(x / temperature, axis=axis)
+    if temperature == 1.0:
+        return x
     powered = x ** (1.0 / temperature)
     return powered / powered.sum(axis=axis, keepdims=True)
 

@@ -7,7 +7,8 @@ Conventions shared by all of them:
   `from_logits=True`: inputs are logits (log-probabilities are valid logits).
   From logits, only log-softmax / logsumexp are used, never softmax-then-log.
 - `temperature` T divides logits, or turns probabilities p into p^(1/T)
-  renormalised, before the divergence.
+  renormalised, before the divergence. At T = 1 probabilities are used as
+  given, not renormalised (as in `keras.losses.KLDivergence`).
 - 0·log 0 = 0, and gradients stay finite for exact zeros in p or q and for
   logits of ±1e4.
 - `reduction` reduces the per-sample values, i.e. over every axis but `axis`.

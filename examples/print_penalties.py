@@ -1,0 +1,46 @@
+"""Prints every penalty in keras_penalties.ops on one example batch.
+
+Run on any backend:  KERAS_BACKEND=torch python examples/print_penalties.py
+"""
+
+import keras
+import numpy as np
+
+from keras_penalties import ops as P
+
+
+def main():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 5)).astype("float32")
+    teacher = rng.normal(size=(4, 5)).astype("float32")
+    weights = rng.normal(size=(6, 3)).astype("float32")
+    activations = keras.ops.convert_to_numpy(keras.ops.sigmoid(logits))
+    values = {
+        "l1(logits)": P.l1(logits),
+        "l2(logits)": P.l2(logits),
+        "l2(logits, center='mean', clip=1)": P.l2(logits, center="mean", clip=1.0),
+        "elastic_net(logits, l1_ratio=0.5)": P.elastic_net(logits),
+        "kl_divergence(teacher, logits)": P.kl_divergence(teacher, logits, from_logits=True),
+        "kl_divergence(..., reverse, T=2)": P.kl_divergence(
+            teacher, logits, from_logits=True, direction="reverse", temperature=2.0
+        ),
+        "kl_divergence(..., symmetric)": P.kl_divergence(teacher, logits, from_logits=True, direction="symmetric"),
+        "js_divergence(teacher, logits)": P.js_divergence(teacher, logits, from_logits=True),
+        "entropy(logits)": P.entropy(logits, from_logits=True),
+        "entropy(logits, normalize)": P.entropy(logits, from_logits=True, normalize=True),
+        "consistency(teacher, logits, mse)": P.consistency(teacher, logits, from_logits=True),
+        "consistency(teacher, logits, cosine)": P.consistency(teacher, logits, metric="cosine"),
+        "consistency(teacher, logits, js)": P.consistency(teacher, logits, metric="js", from_logits=True),
+        "orthogonality(weights, soft)": P.orthogonality(weights),
+        "orthogonality(weights, spectral)": P.orthogonality(weights, mode="spectral"),
+        "output_magnitude(logits)": P.output_magnitude(logits),
+        "kl_sparsity(sigmoid(logits), 0.05)": P.kl_sparsity(activations),
+    }
+    print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
+    width = max(map(len, values))
+    for name, value in values.items():
+        print(f"  {name:<{width}}  {float(value):10.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Bad arguments fail eagerly, with a message naming the argument."""
+
+import math
+
+import numpy as np
+import pytest
+
+from keras_penalties import ops as P
+
+X = np.ones((2, 3), np.float32)
+
+
+class Untouchable:
+    """An input that fails if anything tries to convert it: option errors
+    must be raised before any tensor work."""
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("the input was touched before the options were checked")
+
+
+U = Untouchable()
+
+ERRORS = {
+    "reduction": (lambda: P.l1(U, reduction="avg"), ValueError, r"`reduction` must be one of 'sum', 'mean', 'none'; got 'avg'"),
+    "reduction_kl": (lambda: P.kl_divergence(U, U, reduction="batch"), ValueError, r"`reduction`"),
+    "reduction_type": (lambda: P.entropy(U, reduction=None), ValueError, r"`reduction`"),
+    "direction": (lambda: P.kl_divergence(U, U, direction="backward"), ValueError, r"`direction` must be one of 'forward', 'reverse', 'symmetric'"),
+    "metric": (lambda: P.consistency(U, U, metric="cos"), ValueError, r"`metric` must be one of 'mse', 'l1', 'cosine', 'kl', 'js'"),
+    "mode": (lambda: P.orthogonality(U, mode="strict"), ValueError, r"`mode` must be one of 'soft', 'hard', 'spectral'"),
+    "orthogonality_axis": (lambda: P.orthogonality(U, axis=0), ValueError, r"`axis` must be one of 'columns', 'rows'"),
+    "l1_ratio_high": (lambda: P.elastic_net(U, l1_ratio=1.5), ValueError, r"`l1_ratio` must be in \[0, 1\]; got 1.5"),
+    "l1_ratio_low": (lambda: P.elastic_net(U, l1_ratio=-0.1), ValueError, r"`l1_ratio`"),
+    "l1_ratio_nan": (lambda: P.elastic_net(U, l1_ratio=math.nan), ValueError, r"`l1_ratio` must be finite"),
+    "temperature_zero": (lambda: P.kl_divergence(U, U, temperature=0.0), ValueError, r"`temperature` must be > 0"),
+    "temperature_negative": (lambda: P.entropy(U, temperature=-1.0), ValueError, r"`temperature` must be > 0"),
+    "temperature_inf": (lambda: P.js_divergence(U, U, temperature=math.inf), ValueError, r"`temperature` must be finite"),
+    "temperature_nan": (lambda: P.entropy(U, temperature=math.nan), ValueError, r"`temperature` must be finite"),
+    "temperature_type": (lambda: P.entropy(U, temperature="hot"), TypeError, r"`temperature` must be a number"),
+    "target_zero": (lambda: P.kl_sparsity(U, target=0.0), ValueError, r"`target` must be in the open interval \(0, 1\)"),
+    "target_one": (lambda: P.kl_sparsity(U, target=1.0), ValueError, r"`target`"),
+    "target_negative_magnitude": (lambda: P.output_magnitude(U, target=-1.0), ValueError, r"`target` must be >= 0"),
+    "center": (lambda: P.l2(U, center="median"), ValueError, r"`center` must be None, a number or 'mean'"),
+    "clip": (lambda: P.l2(U, clip=0.0), ValueError, r"`clip` must be > 0"),
+    "from_logits": (lambda: P.kl_divergence(U, U, from_logits="yes"), TypeError, r"`from_logits` must be a bool"),
+    "normalize": (lambda: P.entropy(U, normalize=1), TypeError, r"`normalize` must be a bool"),
+    "shapes": (lambda: P.kl_divergence(X, np.ones((2, 4))), ValueError, r"`p` and `q` must have the same shape; got \(2, 3\) and \(2, 4\)"),
+    "shapes_js": (lambda: P.js_divergence(X, np.ones((3,))), ValueError, r"`p` and `q` must have the same shape"),
+    "shapes_consistency": (lambda: P.consistency(X, np.ones((3, 2))), ValueError, r"`a` and `b` must have the same shape"),
+    "rank": (lambda: P.orthogonality(np.ones(3)), ValueError, r"`w` must have rank >= 2"),
+    "axis_range": (lambda: P.entropy(X, axis=2), ValueError, r"`axis`=2 is out of range for an input of rank 2"),
+    "axis_type": (lambda: P.kl_divergence(X, X, axis="last"), TypeError, r"`axis` must be an int"),
+    "cosine_rank": (lambda: P.consistency(np.ones(3), np.ones(3), metric="cosine"), ValueError, r"`metric='cosine'`.*rank >= 2"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_names_the_argument(name):
+    call, error, message = ERRORS[name]
+    with pytest.raises(error, match=message):
+        call()
