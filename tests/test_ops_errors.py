@@ -58,3 +58,16 @@ def test_error_names_the_argument(name):
     call, error, message = ERRORS[name]
     with pytest.raises(error, match=message):
         call()
+
+
+def test_check_options_validates_without_calling():
+    assert P.kl_divergence.check_options(direction="reverse", temperature=2) == {
+        "direction": "reverse",
+        "temperature": 2.0,
+    }
+    with pytest.raises(ValueError, match="`direction`"):
+        P.kl_divergence.check_options(direction="sideways")
+    with pytest.raises(TypeError, match=r"kl_divergence\(\) got unknown option\(s\) \['temprature'\]"):
+        P.kl_divergence.check_options(temprature=2.0)
+    with pytest.raises(TypeError, match=r"unknown option"):
+        P.l1(X, center=1.0)

@@ -7,6 +7,8 @@ through `safe_norm`, so values and gradients stay finite at exact zeros and at
 extreme logits.
 """
 
+import functools
+import inspect
 import math
 
 import keras
@@ -18,20 +20,60 @@ _HALF_DTYPES = ("float16", "bfloat16")
 
 
 # ---------------------------------------------------------------- argument checks
-# They run on Python values before any tensor work, so a wrong option fails
-# with a message naming it, not deep inside a trace.
+# Options are checked on Python values before any tensor work, so a wrong
+# option fails with a message naming it, not deep inside a trace. Each ops
+# function declares its checks once with `@options(...)`; the Keras classes
+# reuse them through `fn.check_options(...)` at construction.
 
 
-def check_choice(name, value, allowed):
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(
-            f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; "
-            f"got {value!r}."
-        )
-    return value
+def options(**checks):
+    """Decorator: validates (and normalises) keyword options before the call.
+
+    `checks` maps an option name to a function `(name, value) -> value` that
+    raises `ValueError`/`TypeError` naming the option. The decorated function
+    gets `check_options(**options) -> dict`, which validates options without
+    calling it and rejects names the function does not take.
+    """
+
+    def decorate(fn):
+        accepted = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+
+        def check_options(**opts):
+            unknown = sorted(set(opts) - set(accepted))
+            if unknown:
+                raise TypeError(
+                    f"{fn.__name__}() got unknown option(s) {unknown}; it takes "
+                    f"{accepted}."
+                )
+            return {k: checks[k](k, v) if k in checks else v for k, v in opts.items()}
+
+        @functools.wraps(fn)
+        def wrapper(*args, **opts):
+            return fn(*args, **check_options(**opts))
+
+        wrapper.check_options = check_options
+        return wrapper
+
+    return decorate
 
 
-def check_number(name, value):
+def choice(*allowed):
+    def check(name, value):
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(
+                f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; "
+                f"got {value!r}."
+            )
+        return value
+
+    return check
+
+
+def number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
         raise TypeError(f"`{name}` must be a number; got {value!r}.")
     if not math.isfinite(value):
@@ -39,38 +81,59 @@ def check_number(name, value):
     return float(value)
 
 
-def check_positive(name, value):
-    value = check_number(name, value)
+def positive(name, value):
+    value = number(name, value)
     if value <= 0:
         raise ValueError(f"`{name}` must be > 0; got {value!r}.")
     return value
 
 
-def check_non_negative(name, value):
-    value = check_number(name, value)
+def non_negative(name, value):
+    value = number(name, value)
     if value < 0:
         raise ValueError(f"`{name}` must be >= 0; got {value!r}.")
     return value
 
 
-def check_closed_unit(name, value):
-    value = check_number(name, value)
+def closed_unit(name, value):
+    value = number(name, value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"`{name}` must be in [0, 1]; got {value!r}.")
     return value
 
 
-def check_open_unit(name, value):
-    value = check_number(name, value)
+def open_unit(name, value):
+    value = number(name, value)
     if not 0.0 < value < 1.0:
         raise ValueError(f"`{name}` must be in the open interval (0, 1); got {value!r}.")
     return value
 
 
+def boolean(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool; got {value!r}.")
+    return bool(value)
+
+
+def integer(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int; got {value!r}.")
+    return int(value)
+
+
+def optional(check):
+    def check_optional(name, value):
+        return None if value is None else check(name, value)
+
+    return check_optional
+
+
+REDUCTION = choice(*REDUCTIONS)
+
+
 def check_axis(name, axis, ndim):
     """Returns `axis` as a non-negative int for a tensor of rank `ndim`."""
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an int; got {axis!r}.")
+    axis = integer(name, axis)
     if not -ndim <= axis < ndim:
         raise ValueError(
             f"`{name}`={axis} is out of range for an input of rank {ndim}."

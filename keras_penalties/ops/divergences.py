@@ -24,16 +24,19 @@ DIRECTIONS = ("forward", "reverse", "symmetric")
 METRICS = ("mse", "l1", "cosine", "kl", "js")
 
 
-def _check_pair(p, q, names, axis, from_logits, temperature, reduction):
-    """Validates options, then converts both inputs; returns (p, q, dtype, axis)."""
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
-    temperature = num.check_positive("temperature", temperature)
-    if not isinstance(from_logits, bool):
-        raise TypeError(f"`from_logits` must be a bool; got {from_logits!r}.")
+_DISTRIBUTION_OPTIONS = dict(
+    from_logits=num.boolean,
+    temperature=num.positive,
+    axis=num.integer,
+    reduction=num.REDUCTION,
+)
+
+
+def _convert_pair(p, q, names, axis):
+    """Converts both inputs to one compute dtype; returns (p, q, dtype, axis)."""
     (p, q), dtype = num.to_compute(p, q)
     num.check_same_shape(names, p, q)
-    axis = num.check_axis("axis", axis, max(len(p.shape), 1))
-    return p, q, dtype, axis, temperature
+    return p, q, dtype, num.check_axis("axis", axis, max(len(p.shape), 1))
 
 
 def _kl_from_log(p, logp, logq, axis):
@@ -41,6 +44,7 @@ def _kl_from_log(p, logp, logq, axis):
     return ops.sum(p * (logp - logq), axis=axis)
 
 
+@num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS)
 def kl_divergence(
     p,
     q,
@@ -73,10 +77,7 @@ def kl_divergence(
     >>> round(float(P.kl_divergence([0.5, 0.5], [0.25, 0.75])), 6)  # ½ln2 + ½ln(2/3)
     0.143841
     """
-    num.check_choice("direction", direction, DIRECTIONS)
-    p, q, dtype, axis, temperature = _check_pair(
-        p, q, ("p", "q"), axis, from_logits, temperature, reduction
-    )
+    p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
@@ -98,6 +99,7 @@ def _js_values(p, q, *, from_logits, temperature, axis):
     return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
 
 
+@num.options(**_DISTRIBUTION_OPTIONS)
 def js_divergence(p, q, *, from_logits=False, temperature=1.0, axis=-1, reduction="mean"):
     """Jensen-Shannon divergence: ½KL(p‖m) + ½KL(q‖m), m = (p + q)/2.
 
@@ -109,13 +111,12 @@ def js_divergence(p, q, *, from_logits=False, temperature=1.0, axis=-1, reductio
     >>> round(float(P.js_divergence([1.0, 0.0], [0.0, 1.0])), 6)  # ln 2
     0.693147
     """
-    p, q, dtype, axis, temperature = _check_pair(
-        p, q, ("p", "q"), axis, from_logits, temperature, reduction
-    )
+    p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
     values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis)
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
+@num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS)
 def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean"):
     """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
 
@@ -137,10 +138,6 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     >>> float(P.entropy([0.25, 0.25, 0.25, 0.25], normalize=True))
     1.0
     """
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
-    temperature = num.check_positive("temperature", temperature)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"`normalize` must be a bool; got {normalize!r}.")
     (x,), dtype = num.to_compute(x)
     axis = num.check_axis("axis", axis, max(len(x.shape), 1))
     p, logp = num.probs_and_log_probs(
@@ -154,6 +151,12 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
+@num.options(
+    metric=num.choice(*METRICS),
+    from_logits=num.boolean,
+    axis=num.integer,
+    reduction=num.REDUCTION,
+)
 def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="mean"):
     """Disagreement between two views of the same samples (consistency regularization).
 
@@ -177,8 +180,7 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
     >>> float(P.consistency([[1.0, 0.0]], [[0.0, 1.0]], metric="cosine"))
     1.0
     """
-    num.check_choice("metric", metric, METRICS)
-    a, b, dtype, axis, _ = _check_pair(a, b, ("a", "b"), axis, from_logits, 1.0, reduction)
+    a, b, dtype, axis = _convert_pair(a, b, ("a", "b"), axis)
     if metric == "kl":
         pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
         pb, logb = num.probs_and_log_probs(b, from_logits=from_logits, temperature=1.0, axis=axis)
@@ -209,6 +211,7 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
+@num.options(target=num.open_unit, axis=num.integer)
 def kl_sparsity(x, *, target=0.05, axis=0):
     """Sparse-autoencoder penalty: Σ_j KL(ρ‖ρ̂_j) between Bernoulli means.
 
@@ -229,7 +232,6 @@ def kl_sparsity(x, *, target=0.05, axis=0):
     >>> round(float(P.kl_sparsity(x, target=0.5)), 4)  # ½ln(.5/.05) + ½ln(.5/.95)
     0.8304
     """
-    target = num.check_open_unit("target", target)
     (x,), dtype = num.to_compute(x)
     axis = num.check_axis("axis", axis, max(len(x.shape), 1))
     rho_hat = num.mean(x, axis=axis)

@@ -5,6 +5,7 @@ from keras import ops
 from keras_penalties.ops import _numerics as num
 
 
+@num.options(reduction=num.REDUCTION)
 def l1(x, *, reduction="sum"):
     """L1 penalty: Σ|x|.
 
@@ -23,11 +24,19 @@ def l1(x, *, reduction="sum"):
     >>> float(P.l1([[1.0, -2.0], [3.0, -4.0]]))
     10.0
     """
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
     (x,), dtype = num.to_compute(x)
     return num.from_compute(num.reduce(ops.abs(x), reduction), dtype)
 
 
+def _center(name, value):
+    if value is None or value == "mean":
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"`{name}` must be None, a number or 'mean'; got {value!r}.")
+    return num.number(name, value)
+
+
+@num.options(reduction=num.REDUCTION, center=_center, clip=num.optional(num.positive))
 def l2(x, *, reduction="sum", center=None, clip=None):
     """L2 penalty: Σ(x − c)², without the ½ (the Keras convention).
 
@@ -49,15 +58,6 @@ def l2(x, *, reduction="sum", center=None, clip=None):
     >>> float(P.l2([0.5, 3.0], clip=1.0))  # 0.5² + 1²
     1.25
     """
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
-    if center is not None and center != "mean":
-        if isinstance(center, str):
-            raise ValueError(
-                f"`center` must be None, a number or 'mean'; got {center!r}."
-            )
-        center = num.check_number("center", center)
-    if clip is not None:
-        clip = num.check_positive("clip", clip)
     (x,), dtype = num.to_compute(x)
     if center == "mean":
         x = x - num.mean(x)
@@ -68,6 +68,7 @@ def l2(x, *, reduction="sum", center=None, clip=None):
     return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
 
 
+@num.options(l1_ratio=num.closed_unit, reduction=num.REDUCTION)
 def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
 
@@ -82,13 +83,12 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     >>> float(P.elastic_net([1.0, -2.0], l1_ratio=0.25))  # .25·3 + .75·5
     4.5
     """
-    l1_ratio = num.check_closed_unit("l1_ratio", l1_ratio)
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
     (x,), dtype = num.to_compute(x)
     values = l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x)
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
+@num.options(target=num.non_negative, reduction=num.REDUCTION)
 def output_magnitude(x, *, target=1.0, reduction="mean"):
     """Output magnitude penalty: (‖x_i‖₂ − target)² per sample.
 
@@ -108,8 +108,6 @@ def output_magnitude(x, *, target=1.0, reduction="mean"):
     >>> float(P.output_magnitude([[3.0, 4.0], [0.0, 0.0]]))  # ((5-1)² + 1) / 2
     8.5
     """
-    target = num.check_non_negative("target", target)
-    num.check_choice("reduction", reduction, num.REDUCTIONS)
     (x,), dtype = num.to_compute(x)
     if len(x.shape) == 0:
         raise ValueError("`x` must have a batch axis (rank >= 1); got a scalar.")

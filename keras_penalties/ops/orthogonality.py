@@ -8,6 +8,7 @@ MODES = ("soft", "hard", "spectral")
 AXES = ("columns", "rows")
 
 
+@num.options(mode=num.choice(*MODES), axis=num.choice(*AXES), normalize=num.boolean)
 def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
     """Penalises the Gram matrix of a weight's vectors for being far from I.
 
@@ -37,10 +38,6 @@ def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
     >>> float(P.orthogonality([[1.0, 0.0], [0.0, 1.0]], mode="spectral"))
     0.0
     """
-    num.check_choice("mode", mode, MODES)
-    num.check_choice("axis", axis, AXES)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"`normalize` must be a bool; got {normalize!r}.")
     (w,), dtype = num.to_compute(w)
     if len(w.shape) < 2:
         raise ValueError(
