@@ -1,7 +1,7 @@
 """keras-penalties: composable regularization penalties and loss terms for Keras 3."""
 
-from keras_penalties import ops
+from keras_penalties import losses, ops, regularizers
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+__all__ = ["losses", "ops", "regularizers", "__version__"]

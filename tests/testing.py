@@ -56,3 +56,25 @@ def central_difference(fn, x, eps=1e-6):
 def assert_finite(x, what):
     x = np.asarray(x)
     assert np.all(np.isfinite(x)), f"{what} has non-finite entries: {x}"
+
+
+def assert_config_round_trip(obj, get, package):
+    """`obj` survives get_config/from_config and Keras' registry (`get` is
+    e.g. keras.regularizers.get), with every option intact."""
+    config = obj.get_config()
+    rebuilt = type(obj).from_config(config)
+    assert type(rebuilt) is type(obj)
+    assert rebuilt.get_config() == config
+    serialized = keras.saving.serialize_keras_object(obj)
+    assert serialized["registered_name"] == f"{package}>{type(obj).__name__}"
+    revived = get(serialized)
+    assert type(revived) is type(obj)
+    assert revived.get_config() == config
+    return rebuilt
+
+
+def save_and_load(model, directory):
+    """Saves to .keras and loads back with the default safe_mode=True."""
+    path = str(directory / "model.keras")
+    model.save(path)
+    return keras.saving.load_model(path)

@@ -1,0 +1,240 @@
+"""Regularizers for `kernel_regularizer=`, `bias_regularizer=` and `activity_regularizer=`.
+
+Each is a `keras.regularizers.Regularizer` whose first argument is the
+strength `factor` (≥ 0, finite); `reg(x)` returns factor × a penalty from
+`keras_penalties.ops`, as a scalar in x's dtype. All round-trip through
+`get_config`/`from_config` and are registered under the package
+`"keras_penalties.regularizers"`, so models using them save and load.
+
+Activity semantics: Keras (≥ 3.14) divides an activity regularizer's value by
+the batch size before adding it. `L1`, `L2`, `ElasticNet` and `Orthogonality`
+behave like Keras' own regularizers there (the added loss is their value
+divided by the batch size). `Entropy` and `OutputMagnitude` are per-sample
+penalties and return factor × the batch SUM, so the loss a layer adds is
+factor × the per-sample MEAN whatever the batch size. `KLSparsity` is a batch
+statistic and is multiplied by the batch size, so the layer adds exactly
+factor × the KL sparsity penalty.
+"""
+
+import keras
+from keras import ops
+
+from keras_penalties import ops as penalties
+from keras_penalties.ops import _numerics as num
+
+_PACKAGE = "keras_penalties.regularizers"
+
+# The sign each Entropy `mode` puts on H; losses.Entropy uses the same table.
+ENTROPY_MODES = {"penalty": 1.0, "bonus": -1.0}
+check_entropy_mode = num.choice(*ENTROPY_MODES)
+
+
+class _PenaltyRegularizer(keras.regularizers.Regularizer):
+    """factor × `self.penalty(x, **options)`; subclasses name the penalty."""
+
+    penalty = None
+
+    def __init__(self, factor, **options):
+        self.factor = num.non_negative("factor", factor)
+        self._options = type(self).penalty.check_options(**options)
+        for name, value in self._options.items():
+            setattr(self, name, value)
+
+    def value(self, x):
+        """The unscaled penalty this regularizer multiplies by `factor`."""
+        return type(self).penalty(x, **self._options)
+
+    def __call__(self, x):
+        value = self.value(x)
+        return ops.cast(self.factor, value.dtype) * value
+
+    def get_config(self):
+        return {"factor": self.factor, **self._options}
+
+    def __repr__(self):
+        options = "".join(f", {k}={v!r}" for k, v in self._options.items())
+        return f"{type(self).__name__}({self.factor}{options})"
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class L1(_PenaltyRegularizer):
+    """L1 regularizer: factor × Σ|x|.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import L1
+    >>> float(L1(0.5)(ops.ones((2, 3))))
+    3.0
+    """
+
+    penalty = staticmethod(penalties.l1)
+
+    def __init__(self, factor):
+        super().__init__(factor)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class L2(_PenaltyRegularizer):
+    """L2 regularizer: factor × Σ(x − c)², no ½ (as `keras.regularizers.L2`).
+
+    Args:
+        factor: strength ≥ 0.
+        center: `None` (c = 0), a number, or `"mean"` (x's own mean).
+        clip: `None` or a positive bound on |x − c| before squaring.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import L2
+    >>> float(L2(2.0)(ops.ones((5, 5))))
+    50.0
+    >>> float(L2(2.0, center=1.0)(ops.ones((5, 5))))
+    0.0
+    """
+
+    penalty = staticmethod(penalties.l2)
+
+    def __init__(self, factor, center=None, clip=None):
+        super().__init__(factor, center=center, clip=clip)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ElasticNet(_PenaltyRegularizer):
+    """Elastic net: factor × (α·Σ|x| + (1 − α)·Σx²), α = `l1_ratio` in [0, 1].
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import ElasticNet
+    >>> float(ElasticNet(1.0, l1_ratio=0.25)(ops.full((2,), 2.0)))  # .25·4 + .75·8
+    7.0
+    """
+
+    penalty = staticmethod(penalties.elastic_net)
+
+    def __init__(self, factor, l1_ratio=0.5):
+        super().__init__(factor, l1_ratio=l1_ratio)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Orthogonality(_PenaltyRegularizer):
+    """Orthogonality of a kernel's vectors: factor × `ops.orthogonality`.
+
+    A kernel is reshaped to [−1, units]; with `axis="columns"` each output
+    unit's weight vector is one vector of the Gram matrix G. `mode`: `"soft"`
+    Σ_{i≠j} G_ij², `"hard"` ‖G − I‖²_F, `"spectral"` σ_max(G − I). Meant for
+    `kernel_regularizer=`.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import Orthogonality
+    >>> float(Orthogonality(1.0)(ops.eye(3)))
+    0.0
+    >>> float(Orthogonality(1.0, mode="hard", normalize=False)(2 * ops.eye(2)))  # ‖4I − I‖²
+    18.0
+    """
+
+    penalty = staticmethod(penalties.orthogonality)
+
+    def __init__(self, factor, mode="soft", axis="columns", normalize=True):
+        super().__init__(factor, mode=mode, axis=axis, normalize=normalize)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Entropy(_PenaltyRegularizer):
+    """Entropy of a layer's output distribution (last axis), for `activity_regularizer=`.
+
+    `mode="penalty"` adds +H (pushes towards confident outputs); `"bonus"`
+    adds −H (rewards spread-out outputs, the RL entropy bonus). Returns
+    factor × ±Σ_i H_i, the batch SUM; Keras divides an activity regularizer by
+    the batch size, so the loss the layer adds is factor × the per-sample mean
+    entropy, independent of batch size.
+
+    Args:
+        factor: strength ≥ 0.
+        from_logits: whether the output holds logits (else probabilities).
+        mode: `"penalty"` or `"bonus"`.
+        normalize: divide H by ln(K), K the number of classes.
+        temperature: T > 0, applied before the entropy.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import Entropy
+    >>> reg = Entropy(0.1, from_logits=True, mode="bonus", normalize=True)
+    >>> round(float(reg(ops.zeros((4, 8)))), 6)  # uniform: H/ln K = 1 per sample, summed
+    -0.4
+    """
+
+    penalty = staticmethod(penalties.entropy)
+
+    def __init__(self, factor, from_logits=False, mode="penalty", normalize=False, temperature=1.0):
+        self.mode = check_entropy_mode("mode", mode)
+        super().__init__(
+            factor,
+            from_logits=from_logits,
+            normalize=normalize,
+            temperature=temperature,
+        )
+
+    def value(self, x):
+        return ENTROPY_MODES[self.mode] * penalties.entropy(x, reduction="sum", **self._options)
+
+    def get_config(self):
+        return {**super().get_config(), "mode": self.mode}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class KLSparsity(_PenaltyRegularizer):
+    """Sparse-autoencoder penalty for `activity_regularizer=`: factor × Σ_j KL(ρ‖ρ̂_j).
+
+    ρ̂_j is unit j's mean activation over the batch, ρ = `target` in (0, 1);
+    activations must lie in (0, 1) (e.g. a sigmoid layer). The value is a batch
+    statistic, so `reg(x)` is multiplied by the batch size to cancel Keras'
+    division: the loss the layer adds is exactly factor × the penalty.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import KLSparsity
+    >>> float(KLSparsity(1.0, target=0.5)(ops.full((4, 3), 0.5)))
+    0.0
+    """
+
+    penalty = staticmethod(penalties.kl_sparsity)
+
+    def __init__(self, factor, target=0.05):
+        super().__init__(factor, target=target)
+
+    def value(self, x):
+        value = super().value(x)
+        return value * ops.cast(ops.shape(x)[0], value.dtype)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class OutputMagnitude(_PenaltyRegularizer):
+    """Output norm penalty for `activity_regularizer=`: (‖x_i‖₂ − target)² per sample.
+
+    Returns factor × the batch SUM, so the loss a layer adds is factor × the
+    per-sample mean, independent of batch size.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.regularizers import OutputMagnitude
+    >>> float(OutputMagnitude(1.0, target=1.0)(ops.zeros((3, 4))))  # (0 − 1)², 3 samples
+    3.0
+    """
+
+    penalty = staticmethod(penalties.output_magnitude)
+
+    def __init__(self, factor, target=1.0):
+        super().__init__(factor, target=target)
+
+    def value(self, x):
+        return penalties.output_magnitude(x, reduction="sum", **self._options)
+
+
+__all__ = ["L1", "L2", "ElasticNet", "Orthogonality", "Entropy", "KLSparsity", "OutputMagnitude"]
