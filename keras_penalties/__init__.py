@@ -1,7 +1,17 @@
 """keras-penalties: composable regularization penalties and loss terms for Keras 3."""
 
-from keras_penalties import losses, ops, regularizers
+from keras_penalties import callbacks, gradients, losses, ops, regularizers
+from keras_penalties.objective import CompositeObjective, Term
 
 __version__ = "0.1.0"
 
-__all__ = ["losses", "ops", "regularizers", "__version__"]
+__all__ = [
+    "CompositeObjective",
+    "Term",
+    "callbacks",
+    "gradients",
+    "losses",
+    "ops",
+    "regularizers",
+    "__version__",
+]

@@ -9,6 +9,7 @@ under the package `"keras_penalties.losses"`.
 """
 
 import keras
+from keras import ops
 
 from keras_penalties import ops as penalties
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
@@ -187,4 +188,122 @@ class Consistency(_PenaltyLoss):
         super().__init__(reduction, name, dtype, metric=metric, from_logits=from_logits, axis=axis)
 
 
-__all__ = ["KLDivergence", "JSDivergence", "Entropy", "Consistency"]
+class TermMeans(keras.metrics.Metric):
+    """Running means of a CompositeLoss's unweighted term values.
+
+    Its result is a dict `{"<loss name>/<term>": mean}`, which Keras spreads
+    into the logs once the metric is one of the model's metrics (PenaltyMonitor
+    registers it).
+    """
+
+    def __init__(self, loss_name, term_names, **kwargs):
+        super().__init__(name=f"{loss_name}_terms", **kwargs)
+        self.keys = [f"{loss_name}/{term}" for term in term_names]
+        self.sums = self.add_variable(shape=(len(term_names),), initializer="zeros", name="sums")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, values):
+        self.sums.assign(self.sums + ops.cast(values, self.sums.dtype))
+        self.count.assign(self.count + 1.0)
+
+    def result(self):
+        means = self.sums / ops.maximum(self.count, 1.0)
+        return {key: means[i] for i, key in enumerate(self.keys)}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class CompositeLoss(keras.losses.Loss):
+    """A weighted sum of named losses: Σ wᵢ·lossᵢ(y_true, y_pred).
+
+    Each term reduces itself (with its own `reduction`, the sample weights and
+    the mask), so the total is what compiling each loss with `loss_weights`
+    would give. With `PenaltyMonitor` in `fit`'s callbacks, each term's
+    unweighted batch value appears in the logs as `"<loss name>/<term>"`.
+
+    Args:
+        terms: dict name → `keras.losses.Loss`, or a `Term` over a Loss or an
+            ops function (called as `fn(y_true, y_pred, **options)` when it
+            takes two tensors, else `fn(y_pred, **options)`; it must return a
+            scalar).
+        weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
+            need per-step state that a compiled loss cannot carry on every
+            backend: use a `CompositeObjective` for them.
+        name, dtype: as for any `keras.losses.Loss`.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_penalties.losses import CompositeLoss, Entropy
+    >>> loss = CompositeLoss(
+    ...     {"ce": keras.losses.CategoricalCrossentropy(from_logits=True),
+    ...      "ent": Entropy(from_logits=True, mode="bonus")},
+    ...     weights={"ce": 1.0, "ent": 0.01})
+    >>> round(float(loss([[1.0, 0.0]], [[0.0, 0.0]])), 4)  # ln 2 − 0.01·ln 2
+    0.6862
+    """
+
+    def __init__(self, terms, weights=None, name="composite_loss", dtype=None):
+        from keras_penalties.objective import build_terms
+
+        super().__init__(name=name, dtype=dtype)
+        self.terms = build_terms(terms, weights)
+        for term_name, term in self.terms.items():
+            if term.scheduled:
+                raise ValueError(
+                    f"Term {term_name!r}: CompositeLoss weights are numbers; a schedule needs "
+                    "per-step state, which a CompositeObjective layer carries."
+                )
+            if term.inputs is not None:
+                raise ValueError(
+                    f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
+                    "`inputs` applies to CompositeObjective."
+                )
+        self.tracker = TermMeans(self.name, list(self.terms))
+        # Set by PenaltyMonitor once the tracker is one of the model's metrics.
+        self.tracker_registered = False
+
+    def _term_value(self, name, term, y_true, y_pred, sample_weight):
+        from keras_penalties.objective import scalar
+
+        if term.kind == "loss":
+            value = term.penalty(y_true, y_pred, sample_weight=sample_weight)
+        elif term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS:
+            value = term(y_true, y_pred)
+        else:
+            value = term(y_pred)
+        return scalar(name, value)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        values = ops.stack(
+            [
+                self._term_value(name, term, y_true, y_pred, sample_weight)
+                for name, term in self.terms.items()
+            ]
+        )
+        weights = ops.convert_to_tensor([t.weight if t.enabled else 0.0 for t in self.terms.values()], "float32")
+        if self.tracker_registered:
+            self.tracker.update_state(values)
+        return ops.cast(ops.sum(values * weights), self.dtype)
+
+    def call(self, y_true, y_pred):
+        return self(y_true, y_pred)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "terms": {name: keras.saving.serialize_keras_object(t) for name, t in self.terms.items()},
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["terms"] = {
+            name: keras.saving.deserialize_keras_object(t) for name, t in config["terms"].items()
+        }
+        return cls(**config)
+
+
+_TWO_INPUT_OPS = ("kl_divergence", "js_divergence", "consistency")
+
+__all__ = ["KLDivergence", "JSDivergence", "Entropy", "Consistency", "CompositeLoss"]

@@ -1,0 +1,130 @@
+"""CompositeLoss: a weighted sum of named losses in compile, with per-term logs."""
+
+import keras
+import numpy as np
+import pytest
+from scipy import special
+
+from keras_penalties import Term
+from keras_penalties import losses as L
+from keras_penalties.callbacks import PenaltyMonitor
+from tests import oracles as O
+from tests.testing import save_and_load, to_numpy
+
+
+def _ce(y, logits):
+    return np.mean(-np.sum(y * special.log_softmax(logits, axis=-1), axis=-1))
+
+
+def _loss():
+    return L.CompositeLoss(
+        {
+            "ce": keras.losses.CategoricalCrossentropy(from_logits=True),
+            "ent": L.Entropy(from_logits=True, mode="bonus"),
+            "kl": Term("kl_divergence", options={"from_logits": True, "direction": "reverse"}),
+            "conf": Term("entropy", options={"from_logits": True, "normalize": True}),
+        },
+        weights={"ce": 1.0, "ent": 0.01, "kl": 0.5, "conf": 0.2},
+    )
+
+
+def test_value_is_the_weighted_sum_of_terms():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 4)).astype(np.float32)
+    y = keras.utils.to_categorical(rng.integers(0, 4, 6), 4).astype(np.float32)
+    lg = logits.astype(np.float64)
+    entropy = O.np_entropy(lg, from_logits=True)
+    # The kl term compares y_true (as logits here) with y_pred.
+    kl = O.np_kl_divergence(y.astype(np.float64), lg, True, "reverse")
+    expected = _ce(y, lg) - 0.01 * entropy + 0.5 * kl + 0.2 * entropy / np.log(4)
+    np.testing.assert_allclose(to_numpy(_loss()(y, logits)), expected, rtol=1e-5)
+
+
+def test_sample_weights_reach_each_term():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(5, 3)).astype(np.float32)
+    y = special.softmax(rng.normal(size=(5, 3)), axis=-1).astype(np.float32)
+    w = np.array([0.0, 1.0, 2.0, 1.0, 0.5], np.float32)
+    loss = L.CompositeLoss({"kl": L.KLDivergence(from_logits=False), "js": L.JSDivergence()}, weights={"js": 2.0})
+    probs = special.softmax(logits, axis=-1)
+    expected = np.mean(w * O.np_kl_divergence(y, probs, reduction="none")) + 2.0 * np.mean(
+        w * O.np_js_divergence(y, probs, reduction="none")
+    )
+    np.testing.assert_allclose(to_numpy(loss(y, probs, sample_weight=w)), expected, rtol=1e-5)
+
+
+def test_fit_logs_each_term_with_the_monitor():
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(2)
+    xb = rng.normal(size=(8, 3)).astype(np.float32)
+    yb = keras.utils.to_categorical(rng.integers(0, 4, 8), 4).astype(np.float32)
+    x, y = np.tile(xb, (3, 1)), np.tile(yb, (3, 1))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=_loss())
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[PenaltyMonitor()]).history
+    logits = model.predict(xb, verbose=0).astype(np.float64)
+    entropy = O.np_entropy(logits, from_logits=True)
+    expected = {
+        "composite_loss/ce": _ce(yb, logits),
+        "composite_loss/ent": -entropy,
+        "composite_loss/kl": O.np_kl_divergence(yb.astype(np.float64), logits, True, "reverse"),
+        "composite_loss/conf": entropy / np.log(4),
+    }
+    for key, value in expected.items():
+        np.testing.assert_allclose(history[key], [value, value], rtol=1e-5, err_msg=key)
+    weights = {"ce": 1.0, "ent": 0.01, "kl": 0.5, "conf": 0.2}
+    total = sum(weights[k.split("/")[1]] * v for k, v in expected.items())
+    np.testing.assert_allclose(history["loss"], [total, total], rtol=1e-5)
+    logs = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True, callbacks=[PenaltyMonitor()])
+    np.testing.assert_allclose(logs["composite_loss/ce"], expected["composite_loss/ce"], rtol=1e-5)
+    # Without the monitor the model reports only its loss.
+    assert set(model.fit(x, y, batch_size=8, verbose=0).history) == {"loss"}
+
+
+def test_compiled_model_saves_and_loads(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    model.compile(optimizer="adam", loss=_loss())
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    y = keras.utils.to_categorical(rng.integers(0, 4, 16), 4).astype(np.float32)
+    model.fit(x, y, epochs=1, verbose=0)
+    loaded = save_and_load(model, tmp_path)
+    assert type(loaded.loss) is L.CompositeLoss
+    assert loaded.loss.get_config() == model.loss.get_config()
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6)
+
+
+def test_config_round_trip():
+    loss = _loss()
+    revived = keras.losses.get(keras.saving.serialize_keras_object(loss))
+    assert type(revived) is L.CompositeLoss
+    assert revived.get_config() == loss.get_config()
+
+
+ERRORS = {
+    "schedule": (
+        lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"ce": keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)}),
+        r"Term 'ce': CompositeLoss weights are numbers",
+    ),
+    "inputs": (
+        lambda: L.CompositeLoss({"kl": Term("kl_divergence", inputs=("a", "b"))}),
+        r"Term 'kl': a CompositeLoss term takes \(y_true, y_pred\)",
+    ),
+    "negative": (lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"ce": -1.0}), r"Term 'ce': `weight` must be >= 0"),
+    "unknown": (lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"x": 1.0}), r"unknown term"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_errors_name_the_term(name):
+    make, message = ERRORS[name]
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_non_scalar_term_is_an_error():
+    loss = L.CompositeLoss({"l1": Term("l1", options={"reduction": "none"})})
+    with pytest.raises(ValueError, match=r"Term 'l1' must return a scalar"):
+        loss(np.ones((2, 3), np.float32), np.ones((2, 3), np.float32))
