@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_penalties import _capture, gradients
 from keras_penalties.losses import CompositeLoss
 from keras_penalties.objective import CompositeObjective
 
@@ -44,37 +45,147 @@ class _Mirror(keras.metrics.Metric):
         return {key: values[i] for i, key in enumerate(self.keys)}
 
 
+class _ProbeSources:
+    """Everything a probe measures in one model, in a fixed order: objective
+    terms, CompositeLoss terms, weight regularizers, activity regularizers,
+    then the compiled loss and the total training loss."""
+
+    def __init__(self, model, objectives):
+        self.model = model
+        self.objectives = objectives
+        self.composite_losses = _composite_losses(model)
+        owners = {}
+        for layer in _layers(model):
+            for variable in layer.trainable_weights:
+                owners[id(variable)] = layer
+        self.weight_regularizers = [
+            (f"{owners[id(v)].name}/{v.name}_regularizer", v)
+            for v in model.trainable_variables
+            if getattr(v, "regularizer", None) is not None and id(v) in owners
+        ]
+        self.activity_regularizers = [
+            (f"{layer.name}/activity_regularizer", layer)
+            for layer in _layers(model)
+            if getattr(layer, "activity_regularizer", None) is not None
+        ]
+        self.term_keys = (
+            [f"{o.name}/{t}" for o in objectives for t in o.terms]
+            + [f"{c.name}/{t}" for c in self.composite_losses for t in c.terms]
+            + [key for key, _ in self.weight_regularizers]
+            + [key for key, _ in self.activity_regularizers]
+        )
+        # Keys whose values nothing else reports.
+        self.regularizer_keys = [key for key, _ in self.weight_regularizers + self.activity_regularizers]
+        self.has_loss = getattr(model, "_compile_loss", None) is not None
+
+    @property
+    def size(self):
+        return len(self.term_keys) + 2
+
+    def outputs(self, x, y):
+        """The measured values as one float32 vector (run in a stateless scope)."""
+        with _capture.capturing(self.objectives + self.composite_losses) as captured:
+            y_pred = self.model(x, training=False)
+            loss = ops.zeros((), "float32")
+            if self.has_loss and y is not None:
+                loss = ops.cast(self.model._compile_loss(y, y_pred), "float32")
+        values = []
+        for owner in self.objectives + self.composite_losses:
+            (owner_values,) = captured[id(owner)]
+            values.extend(owner_values[i] for i in range(len(owner.terms)))
+        for _, variable in self.weight_regularizers:
+            values.append(variable.regularizer(variable))
+        for _, layer in self.activity_regularizers:
+            values.append(sum(layer._get_own_losses()))
+        total = loss + sum(ops.cast(v, "float32") for v in self.model.losses)
+        return ops.stack([ops.cast(v, "float32") for v in values] + [loss, total])
+
+    def weights(self):
+        """Each term's current effective weight (0 when disabled)."""
+        weights = []
+        for objective in self.objectives:
+            current = objective.current_weights() * objective.term_enabled.value
+            weights.extend(float(w) for w in ops.convert_to_numpy(current))
+        for loss in self.composite_losses:
+            weights.extend(t.weight if t.enabled else 0.0 for t in loss.terms.values())
+        weights.extend(1.0 for _ in self.regularizer_keys)
+        return weights
+
+
 class PenaltyMonitor(keras.callbacks.Callback):
-    """Reports each penalty term of a model in its fit/evaluate logs and History.
+    """Reports every penalty term of a model, and its gradient norm, while it trains.
 
-    Terms of every `CompositeObjective` layer appear as `"<layer name>/<term>"`
-    and terms of a compiled `CompositeLoss` as `"<loss name>/<term>"`: the
-    mean unweighted value over the epoch so far in the progress bar,
-    epoch-averaged in History (`val_`-prefixed for validation), and in the
-    dict `evaluate(..., return_dict=True)` returns. The values are the same
-    on JAX, TensorFlow and PyTorch.
+    Values: terms of every `CompositeObjective` layer appear as
+    `"<layer name>/<term>"` and terms of a compiled `CompositeLoss` as
+    `"<loss name>/<term>"`: their mean unweighted value over the epoch so far
+    in the progress bar, epoch-averaged in History (`val_`-prefixed for
+    validation) and in the dict `evaluate(..., return_dict=True)` returns; the
+    same numbers on JAX, TensorFlow and PyTorch. (Objectives keep running sums
+    in non-trainable variables, which every backend's step carries; the
+    monitor copies their means into a metric it adds to the model, and adds
+    each CompositeLoss's tracker, so Keras reports them. They are removed when
+    `fit`, or a standalone `evaluate`, ends.)
 
-    How: objectives keep running sums in non-trainable variables, which every
-    backend's training step carries; after each batch the monitor copies their
-    means into a metric it adds to the model, and it adds each CompositeLoss's
-    tracker, so Keras reports both. They are removed again when `fit` (or a
-    standalone `evaluate`) ends.
+    Probes: with `probe_data=(x, y)`, every `every_n_batches` training batches
+    the monitor evaluates the model on that batch and logs, for each term —
+    the terms above, and each layer's weight and activity regularizer as
+    `"<layer name>/<weight>_regularizer"` / `"<layer name>/activity_regularizer"`
+    (weight 1, its value being what it adds to the loss, factor included) —
+    `"<term>/grad_norm"` (‖∂termᵢ/∂θ‖₂ over all trainable weights, unweighted)
+    and `"<term>/grad_norm_weighted"`, plus `"loss/grad_norm"` (the compiled
+    loss) and `"total/grad_norm"` (the whole training loss), and the
+    regularizers' values. They reach the progress bar on probe batches and,
+    averaged over the epoch's probes, History (list the monitor before a
+    CSVLogger or TensorBoard callback so they see them). The probe runs in
+    inference mode through a stateless scope, is compiled once per model, and
+    changes nothing: no optimizer or metric state, no running statistics, no
+    torch `.grad`, the same training trajectory.
+
+    Args:
+        probe_data: `(x, y)` or `x`: a fixed batch to probe on; None for no probes.
+        every_n_batches: probe every this many training batches (≥ 1).
+        grad_norms: compute gradient norms on probes (else values only).
+
+    Attributes:
+        history: one dict per probe: `"step"`, `"epoch"`, and for each term
+            `"<term>"`, `"<term>/weight"`, `"<term>/contribution"` and, with
+            gradient norms, `"<term>/grad_norm"`, `"<term>/grad_norm_weighted"`;
+            plus `"loss"`, `"total"` and their `/grad_norm`.
 
     Example:
 
     ```python
-    history = model.fit(x, y, validation_split=0.2, callbacks=[PenaltyMonitor()])
-    history.history["objective/entropy"]
-    model.evaluate(x, y, callbacks=[PenaltyMonitor()], return_dict=True)
+    monitor = PenaltyMonitor(probe_data=(x[:256], y[:256]), every_n_batches=50)
+    history = model.fit(x, y, validation_split=0.2, callbacks=[monitor])
+    history.history["objective/entropy"], history.history["total/grad_norm"]
+    monitor.plot().savefig("penalties.png")
     ```
     """
 
-    def __init__(self):
+    def __init__(self, probe_data=None, every_n_batches=100, grad_norms=True):
         super().__init__()
+        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
+            raise ValueError(f"`every_n_batches` must be an int >= 1; got {every_n_batches!r}.")
+        if not isinstance(grad_norms, bool):
+            raise TypeError(f"`grad_norms` must be a bool; got {grad_norms!r}.")
+        if probe_data is not None:
+            x, y = probe_data if isinstance(probe_data, tuple) and len(probe_data) == 2 else (probe_data, None)
+            probe_data = (
+                keras.tree.map_structure(ops.convert_to_tensor, x),
+                None if y is None else keras.tree.map_structure(ops.convert_to_tensor, y),
+            )
+        self.probe_data = probe_data
+        self.every_n_batches = every_n_batches
+        self.grad_norms = grad_norms
+        self.history = []
         self.objectives = []
         self._mirrors = {}
         self._registered = []
         self._in_fit = False
+        self._probes = {}
+        self._step = 0
+        self._epoch = 0
+        self._epoch_probes = []
 
     # ------------------------------------------------------------ metrics in the model
 
@@ -87,13 +198,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 self._mirrors[id(objective)] = _Mirror(keys, name=f"{objective.name}_terms")
         self._register(model)
 
-    def _metrics_to_register(self, model):
-        metrics = [self._mirrors[id(objective)] for objective in self.objectives]
-        return metrics + [loss.tracker for loss in _composite_losses(model)]
-
     def _register(self, model):
+        metrics = [self._mirrors[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)]
         added = False
-        for metric in self._metrics_to_register(model):
+        for metric in metrics:
             if not any(m is metric for m in model.metrics):
                 # The model's tracking is locked once built; its own metrics
                 # list is what Model.metrics (and JAX's metrics state) read.
@@ -138,6 +246,45 @@ class PenaltyMonitor(keras.callbacks.Callback):
             for objective in self.objectives:
                 objective.reset_running_values(training)
 
+    # ------------------------------------------------------------ probes
+
+    def probe(self):
+        """Probes `probe_data` now; returns (and appends to `history`) one entry."""
+        model = self.model  # syncs JAX state
+        if id(model) not in self._probes:
+            sources = _ProbeSources(model, self.objectives)
+            fn = gradients.parameter_probe(model, sources.outputs, sources.size, grad_norms=self.grad_norms)
+            self._probes[id(model)] = (sources, fn)
+        sources, fn = self._probes[id(model)]
+        values, norms = fn(*self.probe_data)
+        entry = {"step": self._step, "epoch": self._epoch}
+        for i, (key, weight) in enumerate(zip(sources.term_keys, sources.weights())):
+            value = float(values[i])
+            entry.update({key: value, f"{key}/weight": weight, f"{key}/contribution": weight * value})
+            if norms is not None:
+                entry[f"{key}/grad_norm"] = float(norms[i])
+                entry[f"{key}/grad_norm_weighted"] = weight * float(norms[i])
+        for offset, key in ((-2, "loss"), (-1, "total")):
+            entry[key] = float(values[offset])
+            if norms is not None:
+                entry[f"{key}/grad_norm"] = float(norms[offset])
+        self.history.append(entry)
+        return entry
+
+    def _probe_logs(self, entry):
+        sources, _ = self._probes[id(self._model)]
+        logs = {key: entry[key] for key in sources.regularizer_keys}
+        if self.grad_norms:
+            for key in sources.term_keys:
+                logs[f"{key}/grad_norm"] = entry[f"{key}/grad_norm"]
+                logs[f"{key}/grad_norm_weighted"] = entry[f"{key}/grad_norm_weighted"]
+            if sources.has_loss:
+                logs["loss/grad_norm"] = entry["loss/grad_norm"]
+            logs["total/grad_norm"] = entry["total/grad_norm"]
+        return logs
+
+    # ------------------------------------------------------------ callback hooks
+
     def on_train_begin(self, logs=None):
         self._in_fit = True
 
@@ -146,10 +293,23 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._unregister()
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._epoch_probes = []
         self._reset(training=True)
 
     def on_train_batch_end(self, batch, logs=None):
         self._mirror(True, logs)
+        if self.probe_data is not None and self._step % self.every_n_batches == 0:
+            probe_logs = self._probe_logs(self.probe())
+            self._epoch_probes.append(probe_logs)
+            if logs is not None:
+                logs.update(probe_logs)
+        self._step += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None and self._epoch_probes:
+            for key in self._epoch_probes[0]:
+                logs[key] = sum(p[key] for p in self._epoch_probes) / len(self._epoch_probes)
 
     def on_test_begin(self, logs=None):
         self._reset(training=False)
@@ -160,3 +320,38 @@ class PenaltyMonitor(keras.callbacks.Callback):
     def on_test_end(self, logs=None):
         if not self._in_fit:
             self._unregister()
+
+    # ------------------------------------------------------------ plot
+
+    def plot(self):
+        """A matplotlib Figure: each term's contribution (weight × value) and
+        gradient norm over the probed steps. Needs matplotlib and probes."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg", force=False)
+            from matplotlib import pyplot as plt
+        except ImportError as error:
+            raise ImportError("PenaltyMonitor.plot() needs matplotlib: pip install matplotlib") from error
+        if not self.history:
+            raise ValueError("No probes yet: give PenaltyMonitor probe_data and train first.")
+        sources, _ = self._probes[id(self._model)]
+        steps = [entry["step"] for entry in self.history]
+        rows = 2 if self.grad_norms else 1
+        figure, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), sharex=True, squeeze=False)
+        for key in sources.term_keys:
+            axes[0, 0].plot(steps, [e[f"{key}/contribution"] for e in self.history], label=key)
+        axes[0, 0].plot(steps, [e["loss"] for e in self.history], "k--", label="loss")
+        axes[0, 0].set_ylabel("contribution to the loss")
+        axes[0, 0].legend(fontsize="small")
+        if self.grad_norms:
+            for key in sources.term_keys:
+                axes[1, 0].plot(steps, [e[f"{key}/grad_norm_weighted"] for e in self.history], label=key)
+            axes[1, 0].plot(steps, [e["loss/grad_norm"] for e in self.history], "k--", label="loss")
+            axes[1, 0].plot(steps, [e["total/grad_norm"] for e in self.history], "k", label="total")
+            axes[1, 0].set_yscale("log")
+            axes[1, 0].set_ylabel("weighted ‖∂/∂θ‖")
+            axes[1, 0].legend(fontsize="small")
+        axes[-1, 0].set_xlabel("training step")
+        figure.tight_layout()
+        return figure

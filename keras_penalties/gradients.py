@@ -178,3 +178,83 @@ def interpolated_gradient_penalty(fn, real, fake, *, target=1.0, seed=None):
     epsilon = keras.random.uniform(shape, dtype=real.dtype, seed=seed)
     mixed = epsilon * real + (1.0 - epsilon) * ops.cast(fake, real.dtype)
     return gradient_penalty(fn, mixed, target=target)
+
+
+def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
+    """Builds, once, a probe of a model's penalty terms and their gradient norms.
+
+    `outputs_fn(x, y)` is backend-agnostic code that calls the model and
+    returns a vector of `num_outputs` scalars (term values, losses). It runs
+    inside a `keras.StatelessScope`: every variable is read through the scope
+    and whatever the forward pass assigns (running statistics, metric
+    trackers) is discarded, so probing changes no state. The returned
+    `probe(x, y)` gives `(values, norms)` as NumPy arrays, `norms[i]` being
+    ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables` (`None` when
+    `grad_norms` is false). It is compiled once (jax.jit, tf.function) and
+    leaves no `.grad` on torch tensors.
+    """
+    trainable = list(model.trainable_variables)
+    others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
+
+    def outputs(trainable_values, other_values, x, y):
+        mapping = list(zip(trainable, trainable_values)) + list(zip(others, other_values))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+            return outputs_fn(x, y)
+
+    def norm(grads):
+        return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        @jax.jit
+        def run(trainable_values, other_values, x, y):
+            if not grad_norms:
+                return outputs(trainable_values, other_values, x, y), None
+            values, pullback = jax.vjp(lambda tv: outputs(tv, other_values, x, y), trainable_values)
+            basis = jax.numpy.eye(num_outputs, dtype=values.dtype)
+            return values, ops.stack([norm(pullback(basis[i])[0]) for i in range(num_outputs)])
+
+        def probe(x, y):
+            return run([v.value for v in trainable], [v.value for v in others], x, y)
+
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(reduce_retracing=True)
+        def probe(x, y):
+            values_in = [tf.identity(v.value) for v in trainable]
+            other_values = [tf.identity(v.value) for v in others]
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(values_in)
+                values = outputs(values_in, other_values, x, y)
+                entries = [values[i] for i in range(num_outputs)]
+            if not grad_norms:
+                return values, None
+            zero = tf.UnconnectedGradients.ZERO
+            return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
+
+    elif backend == "torch":
+        import torch
+
+        def probe(x, y):
+            params = [v.value for v in trainable]
+            with torch.enable_grad():
+                values = outputs(params, [v.value for v in others], x, y)
+                if not grad_norms:
+                    return values.detach(), None
+                norms = []
+                for i in range(num_outputs):
+                    grads = torch.autograd.grad(values[i], params, retain_graph=True, allow_unused=True)
+                    norms.append(norm([g for g in grads if g is not None]) if any(g is not None for g in grads) else torch.zeros(()))
+            return values.detach(), torch.stack(norms).detach()
+
+    else:
+        raise RuntimeError(f"parameter_probe supports jax, tensorflow and torch; got {backend!r}.")
+
+    def numpy_probe(x, y):
+        values, norms = probe(x, y)
+        return ops.convert_to_numpy(values), None if norms is None else ops.convert_to_numpy(norms)
+
+    return numpy_probe

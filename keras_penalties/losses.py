@@ -11,6 +11,7 @@ under the package `"keras_penalties.losses"`.
 import keras
 from keras import ops
 
+from keras_penalties import _capture
 from keras_penalties import ops as penalties
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
 
@@ -281,6 +282,7 @@ class CompositeLoss(keras.losses.Loss):
             ]
         )
         weights = ops.convert_to_tensor([t.weight if t.enabled else 0.0 for t in self.terms.values()], "float32")
+        _capture.record(self, values)
         if self.tracker_registered:
             self.tracker.update_state(values)
         return ops.cast(ops.sum(values * weights), self.dtype)

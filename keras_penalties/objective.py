@@ -21,6 +21,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_penalties import _capture
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
@@ -330,6 +331,7 @@ class CompositeObjective(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         values = self._values(inputs)
+        _capture.record(self, values)
         self.add_loss(self._total(values))
         row = np.zeros((2, 1), "float32")
         row[_EVAL if not training else _TRAIN] = 1.0
