@@ -10,7 +10,10 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs(path, capsys):
+def test_example_runs(path, capsys, monkeypatch, tmp_path):
+    # Small sizes, and any file an example writes lands in a temporary folder.
+    monkeypatch.setenv("EXAMPLE_EPOCHS", "1")
+    monkeypatch.chdir(tmp_path)
     runpy.run_path(str(path), run_name="__main__")
     assert capsys.readouterr().out.strip()
 
