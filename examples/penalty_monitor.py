@@ -1,9 +1,10 @@
-"""Trains a small classifier with composed penalties and plots each term with PenaltyMonitor.
+"""Trains a small classifier with composed penalties and watches each term with PenaltyMonitor.
 
-Hidden activations carry a CompositeObjective (L1 sparsity and an entropy
-bonus warmed up by a schedule), the first layer an L2 kernel regularizer;
-PenaltyMonitor logs every term and probes gradient norms. Writes
-penalty_monitor.png (or $PENALTY_MONITOR_PNG).
+The hidden layer carries an L1 sparsity penalty on its activations and an L2
+kernel regularizer; the output logits an entropy bonus (a confidence penalty)
+whose weight warms up from 0 along a schedule. PenaltyMonitor logs every term
+and probes gradient norms; at the end the script prints the per-term table
+and writes penalty_monitor.png (or $PENALTY_MONITOR_PNG). This is `make demo`.
 
     KERAS_BACKEND=torch python examples/penalty_monitor.py
 """
@@ -14,6 +15,7 @@ import keras
 import numpy as np
 
 from keras_penalties import CompositeObjective, Term
+from keras_penalties import losses as L
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 
@@ -33,18 +35,15 @@ def data(n=2048, classes=4, dim=20, seed=0):
 def main():
     keras.utils.set_random_seed(0)
     x, y = data()
-    warm_up = keras.optimizers.schedules.PolynomialDecay(0.0, 100, 0.05)
+    warm_up = keras.optimizers.schedules.PolynomialDecay(0.0, 100, 0.1)
     inputs = keras.Input((20,))
     hidden = keras.layers.Dense(64, activation="relu", kernel_regularizer=R.L2(1e-3), name="hidden")(inputs)
-    hidden = CompositeObjective(
-        {
-            "sparsity": Term("l1", 1e-4),
-            "spread": Term("entropy", warm_up, options={"from_logits": True}),
-        },
-        name="objective",
-    )(hidden)
-    outputs = keras.layers.Dense(4, name="logits")(hidden)
-    model = keras.Model(inputs, outputs)
+    hidden = CompositeObjective({"sparsity": Term("l1", 1e-4)}, name="activity")(hidden)
+    logits = keras.layers.Dense(4, name="logits")(hidden)
+    logits = CompositeObjective(
+        {"entropy_bonus": Term(L.Entropy(from_logits=True, mode="bonus"), warm_up)}, name="output"
+    )(logits)
+    model = keras.Model(inputs, logits)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -55,7 +54,7 @@ def main():
 
     last = monitor.history[-1]
     print(f"{'term':<28}{'value':>12}{'weight':>10}{'contribution':>14}{'grad norm (w)':>15}")
-    for key in ("objective/sparsity", "objective/spread", "hidden/kernel_regularizer"):
+    for key in ("activity/sparsity", "output/entropy_bonus", "hidden/kernel_regularizer"):
         print(
             f"{key:<28}{last[key]:>12.4f}{last[key + '/weight']:>10.4f}"
             f"{last[key + '/contribution']:>14.4f}{last[key + '/grad_norm_weighted']:>15.4f}"

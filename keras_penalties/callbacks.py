@@ -34,9 +34,15 @@ class _Mirror(keras.metrics.Metric):
         super().__init__(name=name)
         self.keys = list(keys)
         self.values = self.add_variable(shape=(len(self.keys),), initializer="zeros", name="values")
+        self.reset_state()
 
     def update_state(self, values):
         self.values.assign(ops.convert_to_tensor(values, self.values.dtype))
+
+    def reset_state(self):
+        # Keras resets metrics when fit or evaluate starts; until the monitor
+        # copies values in, they read NaN ("not measured"), never stale numbers.
+        self.values.assign(ops.full(self.values.shape, float("nan"), self.values.dtype))
 
     def result(self):
         # A copy: on torch, indexing the variable gives views of its storage,
@@ -123,8 +129,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
     same numbers on JAX, TensorFlow and PyTorch. (Objectives keep running sums
     in non-trainable variables, which every backend's step carries; the
     monitor copies their means into a metric it adds to the model, and adds
-    each CompositeLoss's tracker, so Keras reports them. They are removed when
-    `fit`, or a standalone `evaluate`, ends.)
+    each CompositeLoss's tracker, so Keras reports them. The metrics stay with
+    the model, so later fits do not retrace: in a fit without the monitor an
+    objective's entries read NaN, and a CompositeLoss keeps reporting its
+    terms.)
 
     Probes: with `probe_data=(x, y)`, every `every_n_batches` training batches
     the monitor evaluates the model on that batch and logs, for each term —
@@ -180,8 +188,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.history = []
         self.objectives = []
         self._mirrors = {}
-        self._registered = []
-        self._in_fit = False
         self._probes = {}
         self._step = 0
         self._epoch = 0
@@ -206,25 +212,14 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 # The model's tracking is locked once built; its own metrics
                 # list is what Model.metrics (and JAX's metrics state) read.
                 model._metrics.append(metric)
-                self._registered.append(metric)
                 added = True
         for loss in _composite_losses(model):
             loss.tracker_registered = True
         if added:
             # Steps traced before these metrics existed neither update nor
-            # carry them: trace again.
+            # carry them: trace again, once. The metrics then stay, so later
+            # fits reuse the traced step.
             model.train_function = model.test_function = None
-
-    def _unregister(self):
-        model = self._model
-        if not self._registered:
-            return
-        ids = {id(m) for m in self._registered}
-        model._metrics[:] = [m for m in model._metrics if id(m) not in ids]
-        self._registered = []
-        for loss in _composite_losses(model):
-            loss.tracker_registered = False
-        model.train_function = model.test_function = None
 
     # ------------------------------------------------------------ values
 
@@ -285,13 +280,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ callback hooks
 
-    def on_train_begin(self, logs=None):
-        self._in_fit = True
-
-    def on_train_end(self, logs=None):
-        self._in_fit = False
-        self._unregister()
-
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_probes = []
@@ -316,10 +304,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     def on_test_batch_end(self, batch, logs=None):
         self._mirror(False, logs)
-
-    def on_test_end(self, logs=None):
-        if not self._in_fit:
-            self._unregister()
 
     # ------------------------------------------------------------ plot
 

@@ -167,3 +167,26 @@ def test_argument_errors(kwargs, error, message):
 def test_plot_without_probes_is_an_error():
     with pytest.raises(ValueError, match=r"No probes yet"):
         PenaltyMonitor().plot()
+
+
+def test_repeated_fits_with_the_monitor_do_not_retrace():
+    traces = []
+
+    def counted(x):
+        traces.append(1)  # Python runs once per trace (per call on torch)
+        from keras_penalties import ops as P
+
+        return P.l1(x)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    out = CompositeObjective({"l1": Term(counted, 0.1)}, name="obj")(keras.layers.Dense(3)(inputs))
+    model = keras.Model(inputs, out)
+    model.compile(optimizer="sgd", loss="mse")
+    monitor = PenaltyMonitor()
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    after_first = len(traces)
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    # Eagerly (torch) each step calls the term; traced backends do not trace again.
+    assert len(traces) - after_first == (4 if BACKEND == "torch" else 0)

@@ -79,13 +79,17 @@ def kl_divergence(
     """
     p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
-    p, logp = num.probs_and_log_probs(p, **kw)
-    q, logq = num.probs_and_log_probs(q, **kw)
+    # Only the weighting distribution is needed as probabilities: forming the
+    # other would cost a pass over the tensor outside jit.
     if direction == "forward":
-        values = _kl_from_log(p, logp, logq, axis)
+        p, logp = num.probs_and_log_probs(p, **kw)
+        values = _kl_from_log(p, logp, num.log_probs(q, **kw), axis)
     elif direction == "reverse":
-        values = _kl_from_log(q, logq, logp, axis)
+        q, logq = num.probs_and_log_probs(q, **kw)
+        values = _kl_from_log(q, logq, num.log_probs(p, **kw), axis)
     else:
+        p, logp = num.probs_and_log_probs(p, **kw)
+        q, logq = num.probs_and_log_probs(q, **kw)
         values = 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
     return num.from_compute(num.reduce(values, reduction), dtype)
 

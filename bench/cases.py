@@ -1,0 +1,238 @@
+"""The benchmark cases: each builds `ours` and `reference`, zero-argument callables
+doing one unit of work (and waiting for it), on the current backend."""
+
+import dataclasses
+
+import keras
+import numpy as np
+from keras import ops
+
+from bench import native
+from keras_penalties import CompositeObjective, Term
+from keras_penalties import losses as L
+from keras_penalties import ops as P
+from keras_penalties import regularizers as R
+from keras_penalties.callbacks import PenaltyMonitor
+from keras_penalties.gradients import interpolated_gradient_penalty
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    reference: str
+    target: str  # on ratio = ours / reference (time or memory)
+    build: object  # build(small) -> dict(ours=, reference=, per=steps per call, bytes=)
+    limit: float = None  # the ratio target, None when only reported
+
+
+# ---------------------------------------------------------------- divergences on an LLM vocabulary
+
+
+def _logits(small, count):
+    rows, vocab = (256, 32000) if small else (8192, 32000)
+    rng = np.random.default_rng(0)
+    return [ops.convert_to_tensor(rng.normal(size=(rows, vocab)).astype("float32")) for _ in range(count)]
+
+
+def _divergence(ours_fn, ref_fn, count, grad):
+    def build(small):
+        args = _logits(small, count)
+        wrap = native.value_and_grad if grad else native.compile_fn
+        ours, reference = wrap(ours_fn), wrap(ref_fn)
+        return {
+            "ours": lambda: native.block(ours(*args)),
+            "reference": lambda: native.block(reference(*args)),
+        }
+
+    return build
+
+
+def _ours_kl(t, s):
+    return P.kl_divergence(t, s, from_logits=True)
+
+
+def _ours_js(a, b):
+    return P.js_divergence(a, b, from_logits=True)
+
+
+def _ours_entropy(x):
+    return P.entropy(x, from_logits=True)
+
+
+_PEER = {"jax": "optax / jax.nn", "torch": "torch.nn.functional", "tensorflow": "raw tf ops"}[native.BACKEND]
+
+DIVERGENCE_CASES = [
+    Case(
+        f"{name} {'value+grad' if grad else 'value'} [8192, 32000]",
+        _PEER,
+        "time ≤ 1.00",
+        _divergence(ours, ref, count, grad),
+        1.0,
+    )
+    for name, ours, ref, count in (
+        ("kl_divergence", _ours_kl, native.kl, 2),
+        ("js_divergence", _ours_js, native.js, 2),
+        ("entropy", _ours_entropy, native.entropy, 1),
+    )
+    for grad in (False, True)
+]
+
+
+# ---------------------------------------------------------------- norms at the memory-bandwidth floor
+
+
+def _norm(fn, size):
+    def build(small):
+        n = size // 100 if small else size
+        x_np = np.random.default_rng(0).normal(size=n).astype("float32")
+        x = ops.convert_to_tensor(x_np)
+        ours = native.compile_fn(fn)
+        return {
+            "ours": lambda: native.block(ours(x)),
+            "reference": lambda: np.add.reduce(x_np),
+            "bytes": x_np.nbytes,
+        }
+
+    return build
+
+
+NORM_CASES = [
+    Case(f"{name} {size:.0e} elements", "one NumPy pass (np.add.reduce)", "reported", _norm(fn, int(size)))
+    for size in (1e7, 1e8)
+    for name, fn in (("l1", P.l1), ("l2", P.l2), ("elastic_net", P.elastic_net))
+]
+
+
+# ---------------------------------------------------------------- fit with a composed objective
+
+REFERENCE = np.linspace(1.0, 2.0, 10).astype("float32")
+
+
+def kl_to_reference(logits):
+    reference = ops.broadcast_to(ops.convert_to_tensor(REFERENCE), ops.shape(logits))
+    return P.kl_divergence(reference, logits, from_logits=True)
+
+
+class HandL1(keras.layers.Layer):
+    """The same activity L1, hand-written."""
+
+    def call(self, x):
+        self.add_loss(1e-5 * ops.sum(ops.abs(x)))
+        return x
+
+
+class HandHead(keras.layers.Layer):
+    """The same entropy bonus and KL to the reference, hand-written in keras.ops."""
+
+    def call(self, logits):
+        logp = ops.log_softmax(logits, axis=-1)
+        entropy = -ops.mean(ops.sum(ops.exp(logp) * logp, axis=-1))
+        log_ref = ops.log_softmax(ops.convert_to_tensor(REFERENCE))
+        kl = ops.mean(ops.sum(ops.exp(log_ref) * (log_ref - logp), axis=-1))
+        self.add_loss(-0.01 * entropy + 0.1 * kl)
+        return logits
+
+
+def mlp(composed, seed=0):
+    """784-512-512-10 with L1 activity, entropy bonus, L2 kernels and KL to a fixed reference."""
+    keras.utils.set_random_seed(seed)
+    l2 = (lambda: R.L2(1e-4)) if composed else (lambda: keras.regularizers.L2(1e-4))
+    inputs = keras.Input((784,))
+    h = keras.layers.Dense(512, activation="relu", kernel_regularizer=l2())(inputs)
+    h = CompositeObjective({"l1": Term("l1", 1e-5)}, name="activity")(h) if composed else HandL1()(h)
+    h = keras.layers.Dense(512, activation="relu", kernel_regularizer=l2())(h)
+    logits = keras.layers.Dense(10, kernel_regularizer=l2())(h)
+    if composed:
+        logits = CompositeObjective(
+            {"bonus": Term(L.Entropy(from_logits=True, mode="bonus"), 0.01), "kl": Term(kl_to_reference, 0.1)},
+            name="head",
+        )(logits)
+    else:
+        logits = HandHead()(logits)
+    model = keras.Model(inputs, logits)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _data(small, steps):
+    batch = 64 if small else 256
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(batch * steps, 784)).astype("float32"), rng.integers(0, 10, batch * steps), batch
+
+
+def _fit(model, x, y, batch, callbacks=()):
+    return lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=list(callbacks))
+
+
+def build_fit(small):
+    steps = 5 if small else 40
+    x, y, batch = _data(small, steps)
+    return {"ours": _fit(mlp(True), x, y, batch), "reference": _fit(mlp(False), x, y, batch), "per": steps}
+
+
+def _monitor(every):
+    def build(small):
+        steps = 5 if small else 100
+        x, y, batch = _data(small, steps)
+        model = mlp(True)
+        monitor = PenaltyMonitor(probe_data=(x[:batch], y[:batch]), every_n_batches=every)
+        return {"ours": _fit(model, x, y, batch, [monitor]), "reference": _fit(model, x, y, batch), "per": steps}
+
+    return build
+
+
+FIT_CASES = [
+    Case("fit step, MLP + 4-term objective", "same math hand-written in keras.ops", "time ≤ 1.03", build_fit, 1.03)
+] + [
+    Case(f"PenaltyMonitor every_n_batches={n}", "fit without the monitor", "time ≤ 1.05" if n == 50 else "reported", _monitor(n), 1.05 if n == 50 else None)
+    for n in (1, 10, 50)
+]
+
+
+# ---------------------------------------------------------------- WGAN-GP critic step
+
+GP_DIMS, GP_HIDDEN, GP_BATCH, GP_WEIGHT, GP_LR = 128, [512, 512], 512, 10.0, 1e-3
+
+
+class Critic(keras.Model):
+    def __init__(self, hidden):
+        super().__init__()
+        self.net = keras.Sequential([keras.layers.Dense(h, activation="relu") for h in hidden] + [keras.layers.Dense(1)])
+        self.seed_generator = keras.random.SeedGenerator(0)
+
+    def call(self, x):
+        return self.net(x)[:, 0]
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        real, fake = x, y
+        penalty = interpolated_gradient_penalty(self, real, fake, seed=self.seed_generator)
+        return ops.mean(self(fake)) - ops.mean(self(real)) + GP_WEIGHT * penalty
+
+
+def build_gp(small):
+    steps = 3 if small else 30
+    dims, hidden, batch = (16, [32, 32], 32) if small else (GP_DIMS, GP_HIDDEN, GP_BATCH)
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(batch * steps, dims)).astype("float32") + 1.0
+    fake = rng.normal(size=(batch * steps, dims)).astype("float32")
+    keras.utils.set_random_seed(0)
+    critic = Critic(hidden)
+    critic.compile(optimizer=keras.optimizers.SGD(GP_LR))
+    native_step = native.wgan_gp_step(dims, hidden, batch, GP_WEIGHT, GP_LR)
+    batches = [(ops.convert_to_tensor(real[i * batch:(i + 1) * batch]), ops.convert_to_tensor(fake[i * batch:(i + 1) * batch])) for i in range(steps)]
+
+    def hand_written():
+        for r, f in batches:
+            loss = native_step(r, f)
+        native.block(loss)
+
+    return {
+        "ours": lambda: critic.fit(real, fake, batch_size=batch, epochs=1, verbose=0, shuffle=False),
+        "reference": hand_written,
+        "per": steps,
+    }
+
+
+GP_CASES = [Case("WGAN-GP critic train step", "hand-written native step", "time ≤ 1.05", build_gp, 1.05)]
+
+CASES = FIT_CASES + GP_CASES + DIVERGENCE_CASES + NORM_CASES

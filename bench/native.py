@@ -1,0 +1,220 @@
+"""Hand-written native references, one set per backend: what a user would write
+without keras-penalties (optax on JAX, torch.nn.functional on torch, raw tf ops)."""
+
+import math
+
+import keras
+
+BACKEND = keras.backend.backend()
+LOG2 = math.log(2.0)
+
+
+def block(x):
+    """Waits for a result (JAX dispatches asynchronously)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.block_until_ready(x)
+    return x
+
+
+def compile_fn(fn):
+    """The backend's compiler, applied alike to ours and the reference."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn)
+    return fn
+
+
+def value_and_grad(fn):
+    """fn(*args) -> (value, ∂value/∂last arg), compiled."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(lambda *a: jax.value_and_grad(lambda last: fn(*a[:-1], last))(a[-1]))
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def run(*args):
+            last = args[-1]
+            with tf.GradientTape() as tape:
+                tape.watch(last)
+                value = fn(*args[:-1], last)
+            return value, tape.gradient(value, last)
+
+        return run
+    import torch
+
+    def run(*args):
+        last = args[-1].detach().requires_grad_(True)
+        value = fn(*args[:-1], last)
+        (grad,) = torch.autograd.grad(value, last)
+        return value.detach(), grad
+
+    return run
+
+
+# ---------------------------------------------------------------- divergences from logits
+
+
+def kl(teacher, student):
+    """mean over rows of KL(softmax(teacher) ‖ softmax(student))."""
+    if BACKEND == "jax":
+        import jax
+        import optax
+
+        return optax.losses.kl_divergence_with_log_targets(
+            jax.nn.log_softmax(student), jax.nn.log_softmax(teacher)
+        ).mean()
+    if BACKEND == "torch":
+        import torch.nn.functional as F
+
+        return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+    import tensorflow as tf
+
+    lp, lq = tf.nn.log_softmax(teacher), tf.nn.log_softmax(student)
+    return tf.reduce_mean(tf.reduce_sum(tf.exp(lp) * (lp - lq), -1))
+
+
+def js(a, b):
+    if BACKEND == "jax":
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        la, lb = jax.nn.log_softmax(a), jax.nn.log_softmax(b)
+        lm = jnp.logaddexp(la, lb) - LOG2
+        kl_log = optax.losses.kl_divergence_with_log_targets
+        return 0.5 * (kl_log(lm, la) + kl_log(lm, lb)).mean()
+    if BACKEND == "torch":
+        import torch
+        import torch.nn.functional as F
+
+        la, lb = F.log_softmax(a, -1), F.log_softmax(b, -1)
+        lm = torch.logaddexp(la, lb) - LOG2
+        return 0.5 * (
+            F.kl_div(lm, la, log_target=True, reduction="batchmean") + F.kl_div(lm, lb, log_target=True, reduction="batchmean")
+        )
+    import tensorflow as tf
+
+    la, lb = tf.nn.log_softmax(a), tf.nn.log_softmax(b)
+    lm = tf.reduce_logsumexp(tf.stack([la, lb]), 0) - LOG2
+    return 0.5 * tf.reduce_mean(tf.reduce_sum(tf.exp(la) * (la - lm) + tf.exp(lb) * (lb - lm), -1))
+
+
+def entropy(logits):
+    if BACKEND == "jax":
+        import jax
+        import optax
+
+        return optax.losses.softmax_cross_entropy(logits, jax.nn.softmax(logits)).mean()
+    if BACKEND == "torch":
+        import torch
+
+        return torch.distributions.Categorical(logits=logits, validate_args=False).entropy().mean()
+    import tensorflow as tf
+
+    lp = tf.nn.log_softmax(logits)
+    return -tf.reduce_mean(tf.reduce_sum(tf.exp(lp) * lp, -1))
+
+
+# ---------------------------------------------------------------- a WGAN-GP critic step
+
+
+def wgan_gp_step(dims, hidden, batch, gp_weight, lr, seed=0):
+    """A hand-written native WGAN-GP critic step for an MLP critic; returns
+    step(real, fake) -> loss, updating the critic's parameters in place."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = [dims] + hidden + [1]
+    init = [
+        (rng.normal(scale=math.sqrt(2.0 / a), size=(a, b)).astype("float32"), np.zeros(b, "float32"))
+        for a, b in zip(sizes[:-1], sizes[1:])
+    ]
+    if BACKEND == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        params = [(jnp.asarray(w), jnp.asarray(b)) for w, b in init]
+
+        def critic(params, x):
+            for w, b in params[:-1]:
+                x = jax.nn.relu(x @ w + b)
+            w, b = params[-1]
+            return (x @ w + b)[:, 0]
+
+        def loss_fn(params, real, fake, key):
+            eps = jax.random.uniform(key, (real.shape[0], 1))
+            mixed = eps * real + (1 - eps) * fake
+            grads = jax.grad(lambda x: critic(params, x).sum())(mixed)
+            gp = jnp.mean((jnp.sqrt(jnp.sum(grads**2, axis=1)) - 1.0) ** 2)
+            return critic(params, fake).mean() - critic(params, real).mean() + gp_weight * gp
+
+        @jax.jit
+        def update(params, real, fake, key):
+            loss, grads = jax.value_and_grad(loss_fn)(params, real, fake, key)
+            return loss, jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
+
+        state = {"params": params, "key": jax.random.PRNGKey(seed)}
+
+        def step(real, fake):
+            state["key"], key = jax.random.split(state["key"])
+            loss, state["params"] = update(state["params"], real, fake, key)
+            return loss
+
+        return step
+    if BACKEND == "torch":
+        import torch
+
+        params = [torch.tensor(a, requires_grad=True) for pair in init for a in pair]
+        optimizer = torch.optim.SGD(params, lr=lr)
+
+        def critic(x):
+            for i in range(0, len(params) - 2, 2):
+                x = torch.relu(x @ params[i] + params[i + 1])
+            return (x @ params[-2] + params[-1])[:, 0]
+
+        def step(real, fake):
+            eps = torch.rand(real.shape[0], 1)
+            mixed = (eps * real + (1 - eps) * fake).requires_grad_(True)
+            (grads,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+            gp = ((grads.square().sum(1).sqrt() - 1.0) ** 2).mean()
+            loss = critic(fake).mean() - critic(real).mean() + gp_weight * gp
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        return step
+    import tensorflow as tf
+
+    params = [tf.Variable(a) for pair in init for a in pair]
+
+    def critic(x):
+        for i in range(0, len(params) - 2, 2):
+            x = tf.nn.relu(x @ params[i] + params[i + 1])
+        return (x @ params[-2] + params[-1])[:, 0]
+
+    @tf.function
+    def step(real, fake):
+        with tf.GradientTape() as outer:
+            eps = tf.random.uniform((tf.shape(real)[0], 1))
+            mixed = eps * real + (1 - eps) * fake
+            with tf.GradientTape() as inner:
+                inner.watch(mixed)
+                score = tf.reduce_sum(critic(mixed))
+            grads = inner.gradient(score, mixed)
+            gp = tf.reduce_mean((tf.sqrt(tf.reduce_sum(grads**2, 1)) - 1.0) ** 2)
+            loss = tf.reduce_mean(critic(fake)) - tf.reduce_mean(critic(real)) + gp_weight * gp
+        for p, g in zip(params, outer.gradient(loss, params)):
+            p.assign_sub(lr * g)
+        return loss
+
+    return step

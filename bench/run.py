@@ -1,0 +1,176 @@
+"""Runs the benchmarks on the current backend (KERAS_BACKEND) and writes
+bench/results/<backend>.json and .md.
+
+    make bench                 # every backend, one after another
+    make bench BACKEND=jax     # one backend
+    python -m bench.run --small --output /tmp/x   # the tiny smoke run the tests use
+
+Times: ours and the reference alternate call by call in one process, after
+warm-up, so both see the same machine state; the ratio is of the medians.
+Memory: each side runs in a fresh subprocess; its peak resident memory above
+what the inputs already take (Linux VmHWM, reset after building the inputs
+and warming up) is the side's peak memory.
+"""
+
+import argparse
+import gc
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+
+from bench import native
+from bench.cases import CASES
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def _status(field):
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_memory(index, side, small):
+    """Run in a subprocess: the side's peak memory above its inputs, in bytes."""
+    work = CASES[index].build(small)[side]
+    work()  # compile and warm up
+    gc.collect()
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status("VmRSS")
+    work()
+    return max(_status("VmHWM") - baseline, 0)
+
+
+def measure_memory(index, side, small):
+    command = [sys.executable, "-m", "bench.run", "--memory", str(index), side] + (["--small"] if small else [])
+    result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=pathlib.Path(__file__).parent.parent)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("PEAK ")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"memory run failed for {CASES[index].name} ({side}):\n{result.stderr[-2000:]}")
+    return int(lines[-1].split()[1])
+
+
+def measure_time(work, repeats):
+    for _ in range(2):
+        work["ours"](), work["reference"]()
+    times = {"ours": [], "reference": []}
+    for r in range(repeats):
+        order = ("ours", "reference") if r % 2 == 0 else ("reference", "ours")
+        for side in order:
+            start = time.perf_counter()
+            work[side]()
+            times[side].append((time.perf_counter() - start) / work.get("per", 1))
+    return times
+
+
+def machine():
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    versions = {"python": platform.python_version(), "keras": keras.__version__, "numpy": np.__version__}
+    backend_module = {"jax": "jax", "tensorflow": "tensorflow", "torch": "torch"}[native.BACKEND]
+    versions[backend_module] = __import__(backend_module).__version__
+    if native.BACKEND == "jax":
+        import optax
+
+        versions["optax"] = optax.__version__
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "versions": versions}
+
+
+def run(small, repeats, only, output, memory=True):
+    rows = []
+    for index, case in enumerate(CASES):
+        if only and only not in case.name:
+            continue
+        work = case.build(small)
+        nbytes = work.get("bytes")
+        times = measure_time(work, repeats)
+        del work
+        gc.collect()
+        row = {"case": case.name, "reference": case.reference, "target": case.target}
+        for side in ("ours", "reference"):
+            row[side] = {
+                "median_s": statistics.median(times[side]),
+                "min_s": min(times[side]),
+                "max_s": max(times[side]),
+                "peak_memory_bytes": measure_memory(index, side, small) if memory else None,
+            }
+        row["time_ratio"] = row["ours"]["median_s"] / row["reference"]["median_s"]
+        ours_memory, ref_memory = row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"]
+        row["memory_ratio"] = ours_memory / ref_memory if ours_memory is not None and ref_memory else None
+        if nbytes:
+            row["ours"]["gb_per_s"] = nbytes / row["ours"]["median_s"] / 1e9
+            row["reference"]["gb_per_s"] = nbytes / row["reference"]["median_s"] / 1e9
+        row["met"] = None if case.limit is None else row["time_ratio"] <= case.limit
+        rows.append(row)
+        print(_line(row), flush=True)
+    report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"{native.BACKEND}.json").write_text(json.dumps(report, indent=2))
+    (output / f"{native.BACKEND}.md").write_text(markdown(report))
+    return report
+
+
+def _mb(n):
+    return f"{n / 2**20:.0f} MB" if n is not None else "–"
+
+
+def _line(row):
+    o, r = row["ours"], row["reference"]
+    memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
+    return (
+        f"{row['case']:<44} ours {o['median_s'] * 1e3:9.2f} ms  ref {r['median_s'] * 1e3:9.2f} ms  "
+        f"time ×{row['time_ratio']:.3f}  mem ×{memory}  ({row['target']})"
+    )
+
+
+def markdown(report):
+    m = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    lines = [
+        f"# Benchmarks: {report['backend']}",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; {versions}.",
+        f"Median of {report['repeats']} alternating runs after warm-up; ratio = ours / reference.",
+        "",
+        "| case | reference | ours median (min–max) | reference median (min–max) | time ratio | peak memory ours / ref | memory ratio | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["cases"]:
+        o, r = row["ours"], row["reference"]
+        memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
+        met = "" if row["met"] is None else (" ✓" if row["met"] else " ✗")
+        lines.append(
+            f"| {row['case']} | {row['reference']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
+            f"| {r['median_s'] * 1e3:.2f} ms ({r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}) | {row['time_ratio']:.3f} "
+            f"| {_mb(o['peak_memory_bytes'])} / {_mb(r['peak_memory_bytes'])} | {memory} | {row['target']}{met} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny sizes, for the smoke test")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    parser.add_argument("--output", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--memory", nargs=2, metavar=("INDEX", "SIDE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory:
+        print("PEAK", peak_memory(int(args.memory[0]), args.memory[1], args.small))
+        return
+    run(args.small, args.repeats, args.only, args.output)
+
+
+if __name__ == "__main__":
+    main()
