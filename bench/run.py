@@ -97,7 +97,7 @@ def run(small, repeats, only, output, memory=True):
         times = measure_time(work, repeats)
         del work
         gc.collect()
-        row = {"case": case.name, "reference": case.reference, "target": case.target}
+        row = {"case": case.name, "reference_name": case.reference, "target": case.target}
         for side in ("ours", "reference"):
             row[side] = {
                 "median_s": statistics.median(times[side]),
@@ -116,9 +116,18 @@ def run(small, repeats, only, output, memory=True):
         print(_line(row), flush=True)
     report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
     output.mkdir(parents=True, exist_ok=True)
+    previous = output / f"{native.BACKEND}.json"
+    if only and previous.exists():
+        # A partial run replaces its cases in the last full report.
+        report["cases"] = _merge(json.loads(previous.read_text())["cases"], rows)
     (output / f"{native.BACKEND}.json").write_text(json.dumps(report, indent=2))
     (output / f"{native.BACKEND}.md").write_text(markdown(report))
     return report
+
+
+def _merge(old_rows, new_rows):
+    new = {row["case"]: row for row in new_rows}
+    return [new.get(row["case"], row) for row in old_rows]
 
 
 def _mb(n):
@@ -141,7 +150,8 @@ def markdown(report):
         f"# Benchmarks: {report['backend']}",
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; {versions}.",
-        f"Median of {report['repeats']} alternating runs after warm-up; ratio = ours / reference.",
+        f"Median of {report['repeats']} alternating runs after warm-up (per step for fit cases); "
+        "ratio = ours / reference; peak memory is what each side adds above its inputs, in a fresh process.",
         "",
         "| case | reference | ours median (min–max) | reference median (min–max) | time ratio | peak memory ours / ref | memory ratio | target |",
         "|---|---|---|---|---|---|---|---|",
@@ -151,7 +161,7 @@ def markdown(report):
         memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
         met = "" if row["met"] is None else (" ✓" if row["met"] else " ✗")
         lines.append(
-            f"| {row['case']} | {row['reference']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
+            f"| {row['case']} | {row['reference_name']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
             f"| {r['median_s'] * 1e3:.2f} ms ({r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}) | {row['time_ratio']:.3f} "
             f"| {_mb(o['peak_memory_bytes'])} / {_mb(r['peak_memory_bytes'])} | {memory} | {row['target']}{met} |"
         )

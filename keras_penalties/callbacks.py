@@ -151,7 +151,11 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     Args:
         probe_data: `(x, y)` or `x`: a fixed batch to probe on; None for no probes.
-        every_n_batches: probe every this many training batches (≥ 1).
+        every_n_batches: probe every this many training batches (≥ 1). The
+            objectives' values in the progress bar are refreshed at the same
+            interval and after each epoch's last batch (reading them waits
+            for the step, which costs time when done every batch); History
+            and evaluate get exact epoch averages either way.
         grad_norms: compute gradient norms on probes (else values only).
 
     Attributes:
@@ -285,8 +289,17 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._epoch_probes = []
         self._reset(training=True)
 
+    def _due(self, batch):
+        """Whether to read the objectives after this batch: every
+        every_n_batches, and after an epoch's last batch, whose values Keras
+        puts in the epoch logs. Reading them syncs the training state (on JAX)
+        and waits for the step, so it is not done after every batch."""
+        steps = (self.params or {}).get("steps")
+        return (batch + 1) % self.every_n_batches == 0 or steps is None or batch + 1 >= steps
+
     def on_train_batch_end(self, batch, logs=None):
-        self._mirror(True, logs)
+        if self._due(batch):
+            self._mirror(True, logs)
         if self.probe_data is not None and self._step % self.every_n_batches == 0:
             probe_logs = self._probe_logs(self.probe())
             self._epoch_probes.append(probe_logs)

@@ -13,6 +13,7 @@ from keras import ops
 
 from keras_penalties import _capture
 from keras_penalties import ops as penalties
+from keras_penalties.objective import build_terms, deserialize_terms, scalar, serialize_terms
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
 
 _PACKAGE = "keras_penalties.losses"
@@ -244,8 +245,6 @@ class CompositeLoss(keras.losses.Loss):
     """
 
     def __init__(self, terms, weights=None, name="composite_loss", dtype=None):
-        from keras_penalties.objective import build_terms
-
         super().__init__(name=name, dtype=dtype)
         self.terms = build_terms(terms, weights)
         for term_name, term in self.terms.items():
@@ -264,8 +263,6 @@ class CompositeLoss(keras.losses.Loss):
         self.tracker_registered = False
 
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
-        from keras_penalties.objective import scalar
-
         if term.kind == "loss":
             value = term.penalty(y_true, y_pred, sample_weight=sample_weight)
         elif term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS:
@@ -294,16 +291,12 @@ class CompositeLoss(keras.losses.Loss):
         return {
             "name": self.name,
             "dtype": self.dtype,
-            "terms": {name: keras.saving.serialize_keras_object(t) for name, t in self.terms.items()},
+            "terms": serialize_terms(self.terms),
         }
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["terms"] = {
-            name: keras.saving.deserialize_keras_object(t) for name, t in config["terms"].items()
-        }
-        return cls(**config)
+        return cls(**{**config, "terms": deserialize_terms(config["terms"])})
 
 
 _TWO_INPUT_OPS = ("kl_divergence", "js_divergence", "consistency")

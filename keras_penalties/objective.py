@@ -21,7 +21,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import _capture
+from keras_penalties import _capture, gradients
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
@@ -133,7 +133,7 @@ class Term:
             return value
         if len(tensors) == 2:
             return self.penalty(*tensors)
-        from keras_penalties.losses import Entropy
+        from keras_penalties.losses import Entropy  # here: losses imports this module
 
         if len(tensors) == 1 and isinstance(self.penalty, Entropy):
             return self.penalty(None, tensors[0])
@@ -202,6 +202,14 @@ def build_terms(terms, weights=None):
             raise type(error)(f"Term {name!r}: {error}") from error
         built[name].weight = weight
     return built
+
+
+def serialize_terms(terms):
+    return {name: keras.saving.serialize_keras_object(term) for name, term in terms.items()}
+
+
+def deserialize_terms(config):
+    return {name: keras.saving.deserialize_keras_object(term) for name, term in config.items()}
 
 
 def scalar(name, value):
@@ -438,8 +446,6 @@ class CompositeObjective(keras.layers.Layer):
             "total_grad_norm"}`, contribution = weight × value, over the
             enabled terms. Gradient norms are `None` unless `grad_norms`.
         """
-        from keras_penalties import gradients
-
         total, values = self.compute(inputs)
         weights = ops.convert_to_numpy(self.current_weights())
         base = base_loss(inputs) if callable(base_loss) else base_loss
@@ -468,14 +474,8 @@ class CompositeObjective(keras.layers.Layer):
         }
 
     def get_config(self):
-        config = super().get_config()
-        config["terms"] = {name: keras.saving.serialize_keras_object(t) for name, t in self.terms.items()}
-        return config
+        return {**super().get_config(), "terms": serialize_terms(self.terms)}
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["terms"] = {
-            name: keras.saving.deserialize_keras_object(t) for name, t in config["terms"].items()
-        }
-        return cls(**config)
+        return cls(**{**config, "terms": deserialize_terms(config["terms"])})
