@@ -5,8 +5,9 @@ bench/results/<backend>.json and .md.
     make bench BACKEND=jax     # one backend
     python -m bench.run --small --output /tmp/x   # the tiny smoke run the tests use
 
-Times: ours and the reference alternate call by call in one process, after
-warm-up, so both see the same machine state; the ratio is of the medians.
+Times: ours and the reference alternate call by call in one process (a fresh
+one per case), after warm-up, so both see the same machine state; the ratio
+is of the medians.
 Memory: each side runs in a fresh subprocess; its peak resident memory above
 what the inputs already take (Linux VmHWM, reset after building the inputs
 and warming up) is the side's peak memory.
@@ -50,13 +51,24 @@ def peak_memory(index, side, small):
     return max(_status("VmHWM") - baseline, 0)
 
 
-def measure_memory(index, side, small):
-    command = [sys.executable, "-m", "bench.run", "--memory", str(index), side] + (["--small"] if small else [])
+def _child(args, tag):
+    """Runs `python -m bench.run ARGS` in a fresh process; returns its TAG line's payload."""
+    command = [sys.executable, "-m", "bench.run"] + args
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=pathlib.Path(__file__).parent.parent)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("PEAK ")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith(tag + " ")]
     if result.returncode != 0 or not lines:
-        raise RuntimeError(f"memory run failed for {CASES[index].name} ({side}):\n{result.stderr[-2000:]}")
-    return int(lines[-1].split()[1])
+        raise RuntimeError(f"bench.run {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+    return lines[-1][len(tag) + 1:]
+
+
+def measure_memory(index, side, small):
+    return int(_child(["--memory", str(index), side] + (["--small"] if small else []), "PEAK"))
+
+
+def timed(index, small, repeats):
+    """Run in a subprocess: the case's alternating times, and bytes processed."""
+    work = CASES[index].build(small)
+    return {"times": measure_time(work, repeats), "bytes": work.get("bytes")}
 
 
 def measure_time(work, repeats):
@@ -92,11 +104,10 @@ def run(small, repeats, only, output, memory=True):
     for index, case in enumerate(CASES):
         if only and only not in case.name:
             continue
-        work = case.build(small)
-        nbytes = work.get("bytes")
-        times = measure_time(work, repeats)
-        del work
-        gc.collect()
+        # Each case runs in fresh processes, so no case inherits another's
+        # allocations (TensorFlow's allocator keeps what it has used).
+        result = json.loads(_child(["--time", str(index), str(repeats)] + (["--small"] if small else []), "TIMES"))
+        times, nbytes = result["times"], result["bytes"]
         row = {"case": case.name, "reference_name": case.reference, "target": case.target}
         for side in ("ours", "reference"):
             row[side] = {
@@ -175,7 +186,11 @@ def main():
     parser.add_argument("--only", default=None, help="run the cases whose name contains this")
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--memory", nargs=2, metavar=("INDEX", "SIDE"), help=argparse.SUPPRESS)
+    parser.add_argument("--time", nargs=2, metavar=("INDEX", "REPEATS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.time:
+        print("TIMES", json.dumps(timed(int(args.time[0]), args.small, int(args.time[1]))))
+        return
     if args.memory:
         print("PEAK", peak_memory(int(args.memory[0]), args.memory[1], args.small))
         return
