@@ -20,7 +20,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed-base: $(PY) pyproject.toml constraints.txt
-	$(PIP) -e ".[all-cpu]"
+	$(PIP) -e ".[all-cpu,demo]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed-base
