@@ -110,10 +110,9 @@ class _ProbeSources:
         """Each term's current effective weight (0 when disabled)."""
         weights = []
         for objective in self.objectives:
-            current = objective.current_weights() * objective.term_enabled.value
-            weights.extend(float(w) for w in ops.convert_to_numpy(current))
+            weights.extend(float(w) for w in ops.convert_to_numpy(objective.effective_weights()))
         for loss in self.composite_losses:
-            weights.extend(t.weight if t.enabled else 0.0 for t in loss.terms.values())
+            weights.extend(loss.effective_weights())
         weights.extend(1.0 for _ in self.regularizer_keys)
         return weights
 

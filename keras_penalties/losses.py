@@ -278,11 +278,15 @@ class CompositeLoss(keras.losses.Loss):
                 for name, term in self.terms.items()
             ]
         )
-        weights = ops.convert_to_tensor([t.weight if t.enabled else 0.0 for t in self.terms.values()], "float32")
+        weights = ops.convert_to_tensor(self.effective_weights(), "float32")
         _capture.record(self, values)
         if self.tracker_registered:
             self.tracker.update_state(values)
         return ops.cast(ops.sum(values * weights), self.dtype)
+
+    def effective_weights(self):
+        """Each term's weight in the total, 0 for a disabled term."""
+        return [t.weight if t.enabled else 0.0 for t in self.terms.values()]
 
     def call(self, y_true, y_pred):
         return self(y_true, y_pred)

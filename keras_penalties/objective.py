@@ -334,8 +334,13 @@ class CompositeObjective(keras.layers.Layer):
         )
         return ops.where(use_schedule, scheduled, self.term_weights.value)
 
+    def effective_weights(self):
+        """What each term's value is multiplied by in the total: its current
+        weight, or 0 while disabled."""
+        return self.current_weights() * self.term_enabled.value
+
     def _total(self, values):
-        return ops.sum(values * self.current_weights() * self.term_enabled.value)
+        return ops.sum(values * self.effective_weights())
 
     def call(self, inputs, training=None):
         values = self._values(inputs)
