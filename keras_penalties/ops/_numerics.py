@@ -222,14 +222,12 @@ def safe_log(x):
     return ops.log(ops.where(x > tiny, x, tiny))
 
 
-def logaddexp(a, b):
-    """log(exp(a) + exp(b)), stable for any magnitudes.
-
-    The shift m = max(a, b) cancels exactly in the value, so stopping its
-    gradient leaves the gradient exact (½ and ½ where a == b).
-    """
-    m = ops.stop_gradient(ops.where(a > b, a, b))
-    return m + ops.log(ops.exp(a - m) + ops.exp(b - m))
+def floored_log(x):
+    """log(x + tiny), tiny the dtype's smallest normal number: finite at 0, with
+    a finite gradient, and for x ≥ 1e-30 (float32) the same as log(x) to
+    within 1e-8. Cheaper than `safe_log` (no select) where x ≥ 0 is a sum of
+    probabilities whose log is then weighed by them."""
+    return ops.log(x + _tiny(x.dtype))
 
 
 def safe_norm(x, axis=None, keepdims=False):
@@ -257,8 +255,14 @@ def log_probs(x, *, from_logits, temperature, axis):
 
 def probs_and_log_probs(x, *, from_logits, temperature, axis):
     """`(p, log p)` along `axis`; given probabilities at T=1 are kept exactly."""
-    logp = log_probs(x, from_logits=from_logits, temperature=temperature, axis=axis)
-    if not from_logits and temperature == 1.0:
+    if from_logits:
+        # softmax shares log_softmax's exp and sum under XLA; exp(log p) would
+        # take one more exp per element (entropy's value on [8192, 32000]:
+        # 97 ms against 72 ms).
+        x = x / temperature if temperature != 1.0 else x
+        return ops.softmax(x, axis=axis), ops.log_softmax(x, axis=axis)
+    logp = log_probs(x, from_logits=False, temperature=temperature, axis=axis)
+    if temperature == 1.0:
         return x, logp
     return ops.exp(logp), logp
 

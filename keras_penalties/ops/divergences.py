@@ -98,8 +98,11 @@ def _js_values(p, q, *, from_logits, temperature, axis):
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
-    # log m = log((p + q) / 2), formed from the logs so it stays finite.
-    logm = num.logaddexp(logp, logq) - math.log(2.0)
+    # m = (p + q) / 2 is as exact as p and q, and log(m + tiny) is the
+    # cheapest log m: a logaddexp of the logs, or a select, keeps XLA from
+    # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
+    # instead of none). Where both underflow, m = 0 and log m is finite.
+    logm = num.floored_log(0.5 * (p + q))
     return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
 
 
