@@ -104,7 +104,7 @@ class _ProbeSources:
         for _, layer in self.activity_regularizers:
             values.append(sum(layer._get_own_losses()))
         total = loss + sum(ops.cast(v, "float32") for v in self.model.losses)
-        return ops.stack([ops.cast(v, "float32") for v in values] + [loss, total])
+        return [ops.cast(v, "float32") for v in values] + [loss, total]
 
     def weights(self):
         """Each term's current effective weight (0 when disabled)."""

@@ -5,6 +5,8 @@ Keras 3 has no multi-backend gradient op, so this module dispatches to
 keras-penalties is plain `keras.ops`.
 """
 
+import functools
+
 import keras
 from keras import ops
 
@@ -184,7 +186,9 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
     """Builds, once, a probe of a model's penalty terms and their gradient norms.
 
     `outputs_fn(x, y)` is backend-agnostic code that calls the model and
-    returns a vector of `num_outputs` scalars (term values, losses). It runs
+    returns a list of `num_outputs` scalars (term values, losses); each
+    one's gradient is taken on its own, through only what it depends on (a
+    stacked vector would make every backward pass cover the whole model). It runs
     inside a `keras.StatelessScope`: every variable is read through the scope
     and whatever the forward pass assigns (running statistics, metric
     trackers) is discarded, so probing changes no state. The returned
@@ -211,10 +215,20 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
         @jax.jit
         def run(trainable_values, other_values, x, y):
             if not grad_norms:
-                return outputs(trainable_values, other_values, x, y), None
-            values, pullback = jax.vjp(lambda tv: outputs(tv, other_values, x, y), trainable_values)
-            basis = jax.numpy.eye(num_outputs, dtype=values.dtype)
-            return values, ops.stack([norm(pullback(basis[i])[0]) for i in range(num_outputs)])
+                return ops.stack(outputs(trainable_values, other_values, x, y)), None
+            def entry(i, tv):
+                values = outputs(tv, other_values, x, y)
+                return values[i], ops.stack(values)
+
+            # One gradient per output: JAX keeps the other outputs' zero
+            # cotangents symbolic, so each backward pass covers only what its
+            # output depends on (a kernel regularizer: its kernel), and XLA
+            # merges the repeated forward passes.
+            norms = []
+            for i in range(num_outputs):
+                (_, values), grads = jax.value_and_grad(functools.partial(entry, i), has_aux=True)(trainable_values)
+                norms.append(norm(grads))
+            return values, ops.stack(norms)
 
         def probe(x, y):
             return run([v.value for v in trainable], [v.value for v in others], x, y)
@@ -228,10 +242,11 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
             other_values = [tf.identity(v.value) for v in others]
             with tf.GradientTape(persistent=True) as tape:
                 tape.watch(values_in)
-                values = outputs(values_in, other_values, x, y)
-                entries = [values[i] for i in range(num_outputs)]
+                entries = outputs(values_in, other_values, x, y)
+            values = tf.stack(entries)
             if not grad_norms:
                 return values, None
+            # Each entry's gradient traverses only the ops it depends on.
             zero = tf.UnconnectedGradients.ZERO
             return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
 
@@ -241,14 +256,19 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
         def probe(x, y):
             params = [v.value for v in trainable]
             with torch.enable_grad():
-                values = outputs(params, [v.value for v in others], x, y)
+                entries = outputs(params, [v.value for v in others], x, y)
+                values = torch.stack([e.detach() for e in entries])
                 if not grad_norms:
-                    return values.detach(), None
+                    return values, None
                 norms = []
-                for i in range(num_outputs):
-                    grads = torch.autograd.grad(values[i], params, retain_graph=True, allow_unused=True)
+                for entry in entries:
+                    # Each entry's backward traverses only its own graph.
+                    if not entry.requires_grad:
+                        norms.append(torch.zeros(()))
+                        continue
+                    grads = torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True)
                     norms.append(norm([g for g in grads if g is not None]) if any(g is not None for g in grads) else torch.zeros(()))
-            return values.detach(), torch.stack(norms).detach()
+            return values, torch.stack(norms).detach()
 
     else:
         raise RuntimeError(f"parameter_probe supports jax, tensorflow and torch; got {backend!r}.")

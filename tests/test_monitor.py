@@ -68,7 +68,7 @@ def test_probe_function_is_compiled_once():
 
     def outputs(x, y):
         calls.append(1)
-        return keras.ops.stack([keras.ops.sum(model(x))])
+        return [keras.ops.sum(model(x))]
 
     probe = gradients.parameter_probe(model, outputs, 1)
     values = [probe(X, Y)[1] for _ in range(3)]
