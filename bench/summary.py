@@ -17,10 +17,13 @@ def main():
     first = next(iter(reports.values()))
     header = " | ".join(f"{b}: time (memory)" for b in reports)
     lines = [f"| case | reference | target | {header} |", "|---|---|---|" + "---|" * len(reports)]
-    for i, row in enumerate(first["cases"]):
+    for row in first["cases"]:
         cells = []
         for report in reports.values():
-            r = report["cases"][i]
+            r = next((c for c in report["cases"] if c["case"] == row["case"]), None)
+            if r is None:
+                cells.append("–")
+                continue
             memory = "" if r["memory_ratio"] is None else f" ({r['memory_ratio']:.2f})"
             mark = "" if r["met"] is None else (" ✓" if r["met"] else " ✗")
             cells.append(f"×{r['time_ratio']:.3f}{memory}{mark}")
