@@ -51,13 +51,22 @@ def peak_memory(index, side, small):
     return max(_status("VmHWM") - baseline, 0)
 
 
+class CaseFailed(RuntimeError):
+    pass
+
+
 def _child(args, tag):
     """Runs `python -m bench.run ARGS` in a fresh process; returns its TAG line's payload."""
     command = [sys.executable, "-m", "bench.run"] + args
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=pathlib.Path(__file__).parent.parent)
     lines = [line for line in result.stdout.splitlines() if line.startswith(tag + " ")]
     if result.returncode != 0 or not lines:
-        raise RuntimeError(f"bench.run {' '.join(args)} failed:\n{result.stderr[-2000:]}")
+        if result.returncode == -9:
+            reason = "killed (SIGKILL: out of memory on this machine)"
+        else:
+            tail = [line for line in result.stderr.strip().splitlines() if line.strip()][-1:]
+            reason = f"exit status {result.returncode}" + (f": {tail[0][:200]}" if tail else "")
+        raise CaseFailed(f"bench.run {' '.join(args)}: {reason}")
     return lines[-1][len(tag) + 1:]
 
 
@@ -99,16 +108,15 @@ def machine():
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "versions": versions}
 
 
-def run(small, repeats, only, output, memory=True):
-    rows = []
-    for index, case in enumerate(CASES):
-        if only and only not in case.name:
-            continue
+def measure(index, small, repeats, memory=True):
+    """One case's report row, or a row saying why it could not be measured."""
+    case = CASES[index]
+    row = {"case": case.name, "reference_name": case.reference, "target": case.target}
+    try:
         # Each case runs in fresh processes, so no case inherits another's
         # allocations (TensorFlow's allocator keeps what it has used).
         result = json.loads(_child(["--time", str(index), str(repeats)] + (["--small"] if small else []), "TIMES"))
         times, nbytes = result["times"], result["bytes"]
-        row = {"case": case.name, "reference_name": case.reference, "target": case.target}
         for side in ("ours", "reference"):
             row[side] = {
                 "median_s": statistics.median(times[side]),
@@ -116,31 +124,44 @@ def run(small, repeats, only, output, memory=True):
                 "max_s": max(times[side]),
                 "peak_memory_bytes": measure_memory(index, side, small) if memory else None,
             }
-        row["time_ratio"] = row["ours"]["median_s"] / row["reference"]["median_s"]
-        # The least-disturbed runs' ratio: on a noisy machine a second view.
-        row["min_time_ratio"] = row["ours"]["min_s"] / row["reference"]["min_s"]
-        ours_memory, ref_memory = row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"]
-        row["memory_ratio"] = ours_memory / ref_memory if ours_memory is not None and ref_memory else None
-        if nbytes:
-            row["ours"]["gb_per_s"] = nbytes / row["ours"]["median_s"] / 1e9
-            row["reference"]["gb_per_s"] = nbytes / row["reference"]["median_s"] / 1e9
-        row["met"] = None if case.limit is None else row["time_ratio"] <= case.limit
-        rows.append(row)
-        print(_line(row), flush=True)
-    report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
+    except CaseFailed as error:
+        row["error"] = str(error)
+        return row
+    row["time_ratio"] = row["ours"]["median_s"] / row["reference"]["median_s"]
+    # The least-disturbed runs' ratio: on a noisy machine a second view.
+    row["min_time_ratio"] = row["ours"]["min_s"] / row["reference"]["min_s"]
+    ours_memory, ref_memory = row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"]
+    row["memory_ratio"] = ours_memory / ref_memory if ours_memory is not None and ref_memory else None
+    if nbytes:
+        row["ours"]["gb_per_s"] = nbytes / row["ours"]["median_s"] / 1e9
+        row["reference"]["gb_per_s"] = nbytes / row["reference"]["median_s"] / 1e9
+    row["met"] = None if case.limit is None else row["time_ratio"] <= case.limit
+    return row
+
+
+def run(small, repeats, only, output, memory=True):
+    """Measures the cases (those whose name contains `only`, if given) and
+    rewrites the report after each one, so an interrupted run keeps what it
+    measured. With `only`, the rows replace or join those of the last report."""
     output.mkdir(parents=True, exist_ok=True)
-    previous = output / f"{native.BACKEND}.json"
-    if only and previous.exists():
-        # A partial run replaces its cases in the last full report.
-        report["cases"] = _merge(json.loads(previous.read_text())["cases"], rows)
-    (output / f"{native.BACKEND}.json").write_text(json.dumps(report, indent=2))
-    (output / f"{native.BACKEND}.md").write_text(markdown(report))
+    path = output / f"{native.BACKEND}.json"
+    rows = json.loads(path.read_text())["cases"] if only and path.exists() else []
+    report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
+    for index, case in enumerate(CASES):
+        if only and only not in case.name:
+            continue
+        row = measure(index, small, repeats, memory)
+        print(_line(row), flush=True)
+        rows[:] = _merge(rows, [row])
+        path.write_text(json.dumps(report, indent=2))
+        (output / f"{native.BACKEND}.md").write_text(markdown(report))
     return report
 
 
 def _merge(old_rows, new_rows):
-    new = {row["case"]: row for row in new_rows}
-    return [new.get(row["case"], row) for row in old_rows]
+    """The rows of both, new replacing old, in the order of CASES."""
+    by_name = {row["case"]: row for row in old_rows + new_rows}
+    return [by_name[case.name] for case in CASES if case.name in by_name]
 
 
 def _mb(n):
@@ -148,6 +169,8 @@ def _mb(n):
 
 
 def _line(row):
+    if "error" in row:
+        return f"{row['case']:<44} not measured: {row['error']}"
     o, r = row["ours"], row["reference"]
     memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
     return (
@@ -171,6 +194,9 @@ def markdown(report):
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["cases"]:
+        if "error" in row:
+            lines.append(f"| {row['case']} | {row['reference_name']} | not measured: {row['error']} | | | | | {row['target']} |")
+            continue
         o, r = row["ours"], row["reference"]
         memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
         met = "" if row["met"] is None else (" ✓" if row["met"] else " ✗")

@@ -21,8 +21,8 @@ def main():
         cells = []
         for report in reports.values():
             r = next((c for c in report["cases"] if c["case"] == row["case"]), None)
-            if r is None:
-                cells.append("–")
+            if r is None or "error" in r:
+                cells.append("–" if r is None else "not measured")
                 continue
             memory = "" if r["memory_ratio"] is None else f" ({r['memory_ratio']:.2f})"
             mark = "" if r["met"] is None else (" ✓" if r["met"] else " ✗")

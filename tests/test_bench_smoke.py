@@ -22,3 +22,14 @@ def test_a_full_run_writes_its_report(tmp_path):
     assert row["case"] == "l1 1e+07 elements" and row["reference_name"].startswith("one NumPy pass")
     assert row["ours"]["peak_memory_bytes"] >= 0 and row["ours"]["gb_per_s"] > 0
     assert (tmp_path / f"{report['backend']}.md").read_text().startswith("# Benchmarks")
+
+
+def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    def killed(args, tag):
+        raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
+
+    monkeypatch.setattr(run, "_child", killed)
+    report = run.run(small=True, repeats=1, only="elements", output=tmp_path)
+    assert [row["case"] for row in report["cases"]] == [c.name for c in run.CASES if "elements" in c.name]
+    assert all("out of memory" in row["error"] for row in report["cases"])
+    assert "not measured: " in (tmp_path / f"{report['backend']}.md").read_text()

@@ -25,7 +25,34 @@ def l1(x, *, reduction="sum"):
     10.0
     """
     (x,), dtype = num.to_compute(x)
-    return num.from_compute(num.reduce(ops.abs(x), reduction), dtype)
+    if reduction == "none":
+        return num.from_compute(ops.abs(x), dtype)
+    return num.from_compute(_per_element(_sum_abs(x), x, reduction), dtype)
+
+
+# Whole-tensor sums as single reductions: Σ|x| as a 1-norm and Σx² as x·x
+# make no elementwise temporary on eager torch (abs-then-sum wrote and read a
+# second copy of x: 7x the time of one NumPy pass over 10^7 elements); under
+# XLA they compile to the same fused loop as before. Both have the gradients
+# of the sums: sign(x) (0 at 0) and 2x.
+
+
+def _sum_abs(x):
+    return ops.norm(ops.reshape(x, (-1,)), ord=1)
+
+
+def _sum_squares(x):
+    flat = ops.reshape(x, (-1,))
+    return ops.vdot(flat, flat)
+
+
+def _per_element(total, x, reduction):
+    if reduction == "sum":
+        return total
+    count = 1
+    for size in ops.shape(x):
+        count = count * size
+    return total / ops.cast(count, total.dtype)
 
 
 def _center(name, value):
@@ -65,7 +92,9 @@ def l2(x, *, reduction="sum", center=None, clip=None):
         x = x - center
     if clip is not None:
         x = ops.clip(x, -clip, clip)
-    return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
+    if reduction == "none":
+        return num.from_compute(ops.square(x), dtype)
+    return num.from_compute(_per_element(_sum_squares(x), x, reduction), dtype)
 
 
 @num.options(l1_ratio=num.closed_unit, reduction=num.REDUCTION)
@@ -84,8 +113,10 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     4.5
     """
     (x,), dtype = num.to_compute(x)
-    values = l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x)
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    if reduction == "none":
+        return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
+    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * _sum_squares(x)
+    return num.from_compute(_per_element(total, x, reduction), dtype)
 
 
 @num.options(target=num.non_negative, reduction=num.REDUCTION)
