@@ -54,7 +54,8 @@ bench: $(VENV)/.installed-bench
 	@for b in $(or $(BACKEND),$(BACKENDS)); do \
 		echo "== KERAS_BACKEND=$$b"; \
 		KERAS_BACKEND=$$b $(PY) -m bench.run || exit 1; \
-	done
+	done; \
+	$(PY) -m bench.summary --readme
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,16 +1,20 @@
 """Combines bench/results/<backend>.json into one markdown table (the README's).
 
-    python -m bench.summary
+    python -m bench.summary            # print it
+    python -m bench.summary --readme   # also put it in README.md's Performance section
 """
 
 import json
 import pathlib
+import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+README = pathlib.Path(__file__).parent.parent / "README.md"
+MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
 
 
-def main():
+def table():
     reports = {b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BACKENDS if (RESULTS / f"{b}.json").exists()}
     if not reports:
         raise SystemExit("No results yet: run `make bench` first.")
@@ -30,9 +34,18 @@ def main():
         reference = row["reference_name"] if len(reports) == 1 else row["reference_name"].replace("optax / jax.nn", "native peer")
         lines.append(f"| {row['case']} | {reference} | {row['target']} | " + " | ".join(cells) + " |")
     machine = first["machine"]
-    print(f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
-          f"memory ratio in parentheses; ✓/✗ against the target.\n")
-    print("\n".join(lines))
+    intro = (f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
+             "memory ratio in parentheses; ✓/✗ against the target.")
+    return intro + "\n\n" + "\n".join(lines)
+
+
+def main():
+    text = table()
+    print(text)
+    if "--readme" in sys.argv[1:]:
+        readme = README.read_text()
+        start, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
+        README.write_text(readme[:start] + "\n" + text + "\n" + readme[end:])
 
 
 if __name__ == "__main__":

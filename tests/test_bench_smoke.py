@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import run
+from bench import run, summary
 
 
 @pytest.mark.parametrize("index", range(len(run.CASES)), ids=[case.name for case in run.CASES])
@@ -33,3 +33,9 @@ def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch
     assert [row["case"] for row in report["cases"]] == [c.name for c in run.CASES if "elements" in c.name]
     assert all("out of memory" in row["error"] for row in report["cases"])
     assert "not measured: " in (tmp_path / f"{report['backend']}.md").read_text()
+
+
+def test_the_summary_table_has_a_row_per_committed_case():
+    text = summary.table()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [case.name for case in run.CASES]
