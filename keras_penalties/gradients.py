@@ -216,6 +216,7 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
         def run(trainable_values, other_values, x, y):
             if not grad_norms:
                 return ops.stack(outputs(trainable_values, other_values, x, y)), None
+
             def entry(i, tv):
                 values = outputs(tv, other_values, x, y)
                 return values[i], ops.stack(values)

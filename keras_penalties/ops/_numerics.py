@@ -2,9 +2,9 @@
 
 Each penalty converts its inputs with `to_compute`, does its math in a dtype
 that is stable (float16/bfloat16 are computed in float32), and casts the result
-back with `from_compute`. Logs go through `safe_log` or `log_softmax`, norms
-through `safe_norm`, so values and gradients stay finite at exact zeros and at
-extreme logits.
+back with `from_compute`. Logs go through `safe_log`, `floored_log` or
+`log_softmax`, norms through `safe_norm`, so values and gradients stay finite
+at exact zeros and at extreme logits.
 """
 
 import functools
