@@ -30,11 +30,12 @@ def l1(x, *, reduction="sum"):
     return num.from_compute(_per_element(_sum_abs(x), x, reduction), dtype)
 
 
-# Whole-tensor sums as single reductions: Σ|x| as a 1-norm and Σx² as x·x
-# make no elementwise temporary on eager torch (abs-then-sum wrote and read a
-# second copy of x: 7x the time of one NumPy pass over 10^7 elements); under
-# XLA they compile to the same fused loop as before. Both have the gradients
-# of the sums: sign(x) (0 at 0) and 2x.
+# Σ|x| as a 1-norm is a single reduction: on eager torch abs-then-sum wrote
+# and read a second copy of x (7x the time of one NumPy pass over 10^7
+# elements); under XLA and on TF it is the same loop as before. Its gradient
+# is sign(x), 0 at 0. Σx² stays square-then-sum: x·x would spare torch the
+# copy too, but on TF it is a matrix-vector product that made the bench's fit
+# step 20 % slower (see bench/results/README.md).
 
 
 def _sum_abs(x):
@@ -42,8 +43,7 @@ def _sum_abs(x):
 
 
 def _sum_squares(x):
-    flat = ops.reshape(x, (-1,))
-    return ops.vdot(flat, flat)
+    return ops.sum(ops.square(x))
 
 
 def _per_element(total, x, reduction):
