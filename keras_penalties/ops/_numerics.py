@@ -201,15 +201,21 @@ def _tiny(dtype):
 # keep float64 exact.
 
 
-def mean(x, axis=None):
-    """Mean over `axis` (an int, a tuple, or None for all axes)."""
+def count(x, axis=None):
+    """How many elements of `x` lie along `axis` (an int, a tuple, or None
+    for all axes); symbolic where the shape is."""
     axes = range(len(x.shape)) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
     shape = ops.shape(x)
-    count = 1
+    n = 1
     for a in axes:
-        count = count * shape[a]
+        n = n * shape[a]
+    return n
+
+
+def mean(x, axis=None):
+    """Mean over `axis` (an int, a tuple, or None for all axes)."""
     total = ops.sum(x, axis=axis)
-    return total / ops.cast(count, total.dtype)
+    return total / ops.cast(count(x, axis), total.dtype)
 
 
 def safe_log(x):

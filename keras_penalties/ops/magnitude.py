@@ -42,17 +42,11 @@ def _sum_abs(x):
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
 
 
-def _sum_squares(x):
-    return ops.sum(ops.square(x))
-
-
 def _per_element(total, x, reduction):
+    """A whole-tensor sum as `reduction` ("sum" or "mean") asks."""
     if reduction == "sum":
         return total
-    count = 1
-    for size in ops.shape(x):
-        count = count * size
-    return total / ops.cast(count, total.dtype)
+    return total / ops.cast(num.count(x), total.dtype)
 
 
 def _center(name, value):
@@ -92,9 +86,7 @@ def l2(x, *, reduction="sum", center=None, clip=None):
         x = x - center
     if clip is not None:
         x = ops.clip(x, -clip, clip)
-    if reduction == "none":
-        return num.from_compute(ops.square(x), dtype)
-    return num.from_compute(_per_element(_sum_squares(x), x, reduction), dtype)
+    return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
 
 
 @num.options(l1_ratio=num.closed_unit, reduction=num.REDUCTION)
@@ -115,7 +107,7 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
-    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * _sum_squares(x)
+    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * ops.sum(ops.square(x))
     return num.from_compute(_per_element(total, x, reduction), dtype)
 
 
