@@ -1,15 +1,15 @@
-"""Backend-agnostic autodiff: the one module that branches on the Keras backend.
+"""Backend-agnostic autodiff.
 
-Keras 3 has no multi-backend gradient op, so this module dispatches to
-`jax.grad`, `tf.GradientTape` or `torch.autograd.grad`. Every other module in
-keras-penalties is plain `keras.ops`.
+Keras 3 has no multi-backend gradient op; these functions take gradients with
+the backend's native autodiff (`jax.grad`, `tf.GradientTape`,
+`torch.autograd.grad`) through `keras_penalties.backend`, the one place that
+branches on the Keras backend.
 """
-
-import functools
 
 import keras
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties import ops as penalties
 
 
@@ -20,38 +20,15 @@ def _as_float(x):
     return x
 
 
+def _check_callable(name, fn):
+    if not callable(fn):
+        raise TypeError(f"`{name}` must be a callable; got {fn!r}.")
+
+
 def _gradients(fn, tensors):
     """Gradients of the scalar `fn(*tensors)` w.r.t. each of `tensors`, kept
     differentiable (double backprop) on every backend."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            for t in tensors:
-                tape.watch(t)
-            y = fn(*tensors)
-        return tape.gradient(y, list(tensors), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    if backend == "torch":
-        import torch
-
-        with torch.enable_grad():
-            # A tensor outside the graph gets a leaf of its own; one inside it
-            # is used as is, so the gradient stays connected to what made it.
-            tensors = [t if t.requires_grad else t.detach().requires_grad_(True) for t in tensors]
-            y = fn(*tensors)
-            if not y.requires_grad:
-                return [torch.zeros_like(t) for t in tensors]
-            grads = torch.autograd.grad(y, tensors, create_graph=True, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
-    raise RuntimeError(
-        f"keras_penalties.gradients supports the jax, tensorflow and torch "
-        f"backends; the current backend is {backend!r}."
-    )
+    return backend.gradients(fn, tensors)
 
 
 def input_gradient(fn, x):
@@ -76,6 +53,7 @@ def input_gradient(fn, x):
     >>> [float(g) for g in input_gradient(lambda t: ops.square(t), [1.0, -2.0])]
     [2.0, -4.0]
     """
+    _check_callable("fn", fn)
     (grad,) = _gradients(lambda t: ops.sum(fn(t)), [_as_float(x)])
     return grad
 
@@ -90,12 +68,17 @@ def gradient_norms(objective, inputs, *, base_loss=None):
 
     Example:
 
+    >>> import numpy as np
     >>> from keras_penalties import CompositeObjective
     >>> from keras_penalties.gradients import gradient_norms
-    >>> norms = gradient_norms(CompositeObjective({"l2": "l2"}), [[3.0, 4.0]])
-    >>> round(norms["l2"], 4), round(norms["total"], 4)  # ‖2x‖ = 10
+    >>> norms = gradient_norms(CompositeObjective({"l2": "l2"}), np.array([[3.0, 4.0]]))
+    >>> round(norms["l2"], 4), round(norms["total"], 4)  # one sample: ‖2x‖ = 10
     (10.0, 10.0)
     """
+    if not all(hasattr(objective, a) for a in ("terms", "term_value", "compute")):
+        raise TypeError(f"`objective` must be a CompositeObjective; got {objective!r}.")
+    if base_loss is not None:
+        _check_callable("base_loss", base_loss)
     flat = [_as_float(t) for t in keras.tree.flatten(inputs)]
 
     def pack(tensors):
@@ -142,6 +125,7 @@ def gradient_penalty(fn, x, *, target=1.0, reduction="mean"):
     >>> float(gradient_penalty(critic, [[1.0, 2.0], [0.0, 0.0]]))  # (5 − 1)²
     16.0
     """
+    _check_callable("fn", fn)
     options = penalties.output_magnitude.check_options(target=target, reduction=reduction)
     return penalties.output_magnitude(input_gradient(fn, x), **options)
 
@@ -170,8 +154,15 @@ def interpolated_gradient_penalty(fn, real, fake, *, target=1.0, seed=None):
     >>> float(interpolated_gradient_penalty(critic, [[1.0, 2.0]], [[0.0, 1.0]], seed=0))
     16.0
     """
+    _check_callable("fn", fn)
     penalties.output_magnitude.check_options(target=target)
     real, fake = ops.convert_to_tensor(real), ops.convert_to_tensor(fake)
+    for name, t in (("real", real), ("fake", fake)):
+        if not keras.backend.is_float_dtype(t.dtype):
+            raise TypeError(
+                f"`{name}` must be a floating-point batch (the critic is differentiated "
+                f"at points between real and fake); got dtype {keras.backend.standardize_dtype(t.dtype)}."
+            )
     if tuple(real.shape) != tuple(fake.shape):
         raise ValueError(
             f"`real` and `fake` must have the same shape; got {tuple(real.shape)} and {tuple(fake.shape)}."
@@ -191,7 +182,8 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
     stacked vector would make every backward pass cover the whole model). It runs
     inside a `keras.StatelessScope`: every variable is read through the scope
     and whatever the forward pass assigns (running statistics, metric
-    trackers) is discarded, so probing changes no state. The returned
+    trackers) is discarded, so probing changes no state. Under a distribution
+    strategy it runs as one device on the whole batch. The returned
     `probe(x, y)` gives `(values, norms)` as NumPy arrays, `norms[i]` being
     ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables` (`None` when
     `grad_norms` is false). It is compiled once (jax.jit, tf.function) and
@@ -205,74 +197,7 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
             return outputs_fn(x, y)
 
-    def norm(grads):
-        return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
-
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        @jax.jit
-        def run(trainable_values, other_values, x, y):
-            if not grad_norms:
-                return ops.stack(outputs(trainable_values, other_values, x, y)), None
-
-            def entry(i, tv):
-                values = outputs(tv, other_values, x, y)
-                return values[i], ops.stack(values)
-
-            # One gradient per output: JAX keeps the other outputs' zero
-            # cotangents symbolic, so each backward pass covers only what its
-            # output depends on (a kernel regularizer: its kernel), and XLA
-            # merges the repeated forward passes.
-            norms = []
-            for i in range(num_outputs):
-                (_, values), grads = jax.value_and_grad(functools.partial(entry, i), has_aux=True)(trainable_values)
-                norms.append(norm(grads))
-            return values, ops.stack(norms)
-
-        def probe(x, y):
-            return run([v.value for v in trainable], [v.value for v in others], x, y)
-
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        @tf.function(reduce_retracing=True)
-        def probe(x, y):
-            values_in = [tf.identity(v.value) for v in trainable]
-            other_values = [tf.identity(v.value) for v in others]
-            with tf.GradientTape(persistent=True) as tape:
-                tape.watch(values_in)
-                entries = outputs(values_in, other_values, x, y)
-            values = tf.stack(entries)
-            if not grad_norms:
-                return values, None
-            # Each entry's gradient traverses only the ops it depends on.
-            zero = tf.UnconnectedGradients.ZERO
-            return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
-
-    elif backend == "torch":
-        import torch
-
-        def probe(x, y):
-            params = [v.value for v in trainable]
-            with torch.enable_grad():
-                entries = outputs(params, [v.value for v in others], x, y)
-                values = torch.stack([e.detach() for e in entries])
-                if not grad_norms:
-                    return values, None
-                norms = []
-                for entry in entries:
-                    # Each entry's backward traverses only its own graph.
-                    if not entry.requires_grad:
-                        norms.append(torch.zeros(()))
-                        continue
-                    grads = torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True)
-                    norms.append(norm([g for g in grads if g is not None]) if any(g is not None for g in grads) else torch.zeros(()))
-            return values, torch.stack(norms).detach()
-
-    else:
-        raise RuntimeError(f"parameter_probe supports jax, tensorflow and torch; got {backend!r}.")
+    probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms)
 
     def numpy_probe(x, y):
         values, norms = probe(x, y)

@@ -1,0 +1,37 @@
+"""The one place with backend-specific code.
+
+One module per Keras backend (`jax`, `tensorflow`, `torch`), each defining
+the same functions, chosen once when keras_penalties is imported, as Keras
+organises `keras/src/backend/`:
+
+- `gradients(fn, tensors)`: gradients of the scalar `fn(*tensors)` w.r.t.
+  each tensor, kept differentiable (double backprop).
+- `parameter_probe(trainable, others, outputs, num_outputs, grad_norms)`:
+  compiles, once, values and per-output gradient norms w.r.t. `trainable`.
+- `replicas_in_sync()`: how many replicas share the current step (a
+  `tf.distribute` replica context); 1 everywhere else.
+- `loss_replicas()`: what Keras' own losses divide a mean by for
+  distribution (`scale_loss_for_distribution`).
+- `outside_distribution(fn)`: runs `fn()` as on one device, where Keras
+  would otherwise scale losses for a distribution strategy.
+"""
+
+import importlib
+
+import keras
+
+_BACKEND = keras.backend.backend()
+if _BACKEND not in ("jax", "tensorflow", "torch"):
+    raise ImportError(
+        f"keras_penalties supports the jax, tensorflow and torch backends; "
+        f"the current Keras backend is {_BACKEND!r}."
+    )
+_module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
+
+gradients = _module.gradients
+parameter_probe = _module.parameter_probe
+replicas_in_sync = _module.replicas_in_sync
+loss_replicas = _module.loss_replicas
+outside_distribution = _module.outside_distribution
+
+__all__ = ["gradients", "parameter_probe", "replicas_in_sync", "loss_replicas", "outside_distribution"]

@@ -1,0 +1,53 @@
+"""JAX: `jax.grad`, a jitted probe; a `DataParallel`/`ModelParallel` batch is
+one global (sharded) array, so every step sees the whole batch."""
+
+import functools
+
+import jax
+from keras import ops
+
+
+def gradients(fn, tensors):
+    return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
+
+
+def _norm(grads):
+    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+
+
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+    @jax.jit
+    def run(trainable_values, other_values, x, y):
+        if not grad_norms:
+            return ops.stack(outputs(trainable_values, other_values, x, y)), None
+
+        def entry(i, tv):
+            values = outputs(tv, other_values, x, y)
+            return values[i], ops.stack(values)
+
+        # One gradient per output: JAX keeps the other outputs' zero
+        # cotangents symbolic, so each backward pass covers only what its
+        # output depends on (a kernel regularizer: its kernel), and XLA
+        # merges the repeated forward passes.
+        norms = []
+        for i in range(num_outputs):
+            (_, values), grads = jax.value_and_grad(functools.partial(entry, i), has_aux=True)(trainable_values)
+            norms.append(_norm(grads))
+        return values, ops.stack(norms)
+
+    def probe(x, y):
+        return run([v.value for v in trainable], [v.value for v in others], x, y)
+
+    return probe
+
+
+def replicas_in_sync():
+    return 1
+
+
+def loss_replicas():
+    return 1
+
+
+def outside_distribution(fn):
+    return fn()

@@ -1,0 +1,65 @@
+"""TensorFlow: `tf.GradientTape`, a `tf.function` probe, and `tf.distribute`.
+
+Under `MirroredStrategy` each replica runs the step on its shard of the batch,
+and Keras divides every loss, `add_loss` terms included, by the number of
+replicas before it sums their gradients; its own `Loss` objects divide their
+means by it wherever a strategy is in scope.
+"""
+
+import concurrent.futures
+
+import tensorflow as tf
+from keras import ops
+
+
+def gradients(fn, tensors):
+    with tf.GradientTape() as tape:
+        for t in tensors:
+            tape.watch(t)
+        y = fn(*tensors)
+    return tape.gradient(y, list(tensors), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _norm(grads):
+    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+
+
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+    @tf.function(reduce_retracing=True)
+    def run(x, y):
+        values_in = [tf.identity(v.value) for v in trainable]
+        other_values = [tf.identity(v.value) for v in others]
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(values_in)
+            entries = outputs(values_in, other_values, x, y)
+        values = tf.stack(entries)
+        if not grad_norms:
+            return values, None
+        # Each entry's gradient traverses only the ops it depends on.
+        zero = tf.UnconnectedGradients.ZERO
+        return values, tf.stack([_norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
+
+    def probe(x, y):
+        return outside_distribution(lambda: run(x, y))
+
+    return probe
+
+
+def replicas_in_sync():
+    context = tf.distribute.get_replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def loss_replicas():
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def outside_distribution(fn):
+    # A strategy's scope belongs to the thread that entered it: a fresh
+    # thread sees the default strategy, reads each mirrored variable's value
+    # and computes the whole batch as one device would, without Keras'
+    # per-replica loss scaling.
+    if not tf.distribute.has_strategy():
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()

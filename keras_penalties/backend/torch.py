@@ -1,0 +1,54 @@
+"""PyTorch: `torch.autograd.grad`; Keras has no torch distribution."""
+
+import torch
+from keras import ops
+
+
+def gradients(fn, tensors):
+    with torch.enable_grad():
+        # A tensor outside the graph gets a leaf of its own; one inside it
+        # is used as is, so the gradient stays connected to what made it.
+        tensors = [t if t.requires_grad else t.detach().requires_grad_(True) for t in tensors]
+        y = fn(*tensors)
+        if not y.requires_grad:
+            return [torch.zeros_like(t) for t in tensors]
+        grads = torch.autograd.grad(y, tensors, create_graph=True, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+
+
+def _norm(grads):
+    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+
+
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+    def probe(x, y):
+        params = [v.value for v in trainable]
+        with torch.enable_grad():
+            entries = outputs(params, [v.value for v in others], x, y)
+            values = torch.stack([e.detach() for e in entries])
+            if not grad_norms:
+                return values, None
+            norms = []
+            for entry in entries:
+                # Each entry's backward traverses only its own graph, and
+                # autograd.grad leaves no .grad on the parameters.
+                if not entry.requires_grad:
+                    norms.append(torch.zeros((), device=values.device))
+                    continue
+                grads = [g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None]
+                norms.append(_norm(grads) if grads else torch.zeros((), device=values.device))
+        return values, torch.stack(norms).detach()
+
+    return probe
+
+
+def replicas_in_sync():
+    return 1
+
+
+def loss_replicas():
+    return 1
+
+
+def outside_distribution(fn):
+    return fn()
