@@ -59,7 +59,7 @@ def main():
             f"{key:<28}{last[key]:>12.4f}{last[key + '/weight']:>10.4f}"
             f"{last[key + '/contribution']:>14.4f}{last[key + '/grad_norm_weighted']:>15.4f}"
         )
-    print(f"{'loss':<28}{last['loss']:>12.4f}{'':>10}{'':>14}{last['loss/grad_norm']:>15.4f}")
+    print(f"{'base loss':<28}{last['base_loss']:>12.4f}{'':>10}{'':>14}{last['base_loss/grad_norm']:>15.4f}")
     print(f"validation accuracy {history.history['val_accuracy'][-1]:.3f}")
     monitor.plot().savefig(OUTPUT, dpi=100)
     print(f"wrote {OUTPUT}")

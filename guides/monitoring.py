@@ -76,7 +76,7 @@ validation split) and, averaged over the epoch's probes, its gradient norms.
 logs = history.history
 for key in ("objective/sparsity", "objective/decorrelate", "hidden/kernel_regularizer", "hidden/activity_regularizer"):
     print(f"{key:<30} value {logs[key][-1]:10.4f}   weighted grad norm {logs[key + '/grad_norm_weighted'][-1]:.5f}")
-print(f"{'compiled loss':<30} grad norm {logs['loss/grad_norm'][-1]:.5f}; whole objective {logs['total/grad_norm'][-1]:.5f}")
+print(f"{'compiled loss':<30} grad norm {logs['base_loss/grad_norm'][-1]:.5f}; whole objective {logs['total/grad_norm'][-1]:.5f}")
 print("validation sparsity:", round(logs["val_objective/sparsity"][-1], 4))
 
 """

@@ -26,6 +26,29 @@ def _composite_losses(model):
     return [loss for loss in keras.tree.flatten(losses) if isinstance(loss, CompositeLoss)]
 
 
+def _probe_batch(probe_data):
+    """`(x, y)`, `[x, y]` or `x` as tensors, checked before any tensor work."""
+    x, y = (
+        tuple(probe_data)
+        if isinstance(probe_data, (tuple, list)) and len(probe_data) == 2
+        else (probe_data, None)
+    )
+    for name, part in (("x", x), ("y", y)):
+        for leaf in keras.tree.flatten(part):
+            if isinstance(leaf, (str, bytes)) or (leaf is not None and not hasattr(leaf, "shape") and not isinstance(leaf, (list, tuple))):
+                raise TypeError(
+                    f"`probe_data` must be (x, y), [x, y] or x, arrays or tensors; its {name} holds {leaf!r}."
+                )
+    x = keras.tree.map_structure(ops.convert_to_tensor, x)
+    y = None if y is None else keras.tree.map_structure(ops.convert_to_tensor, y)
+    for leaf in keras.tree.flatten(x):
+        if len(leaf.shape) == 0:
+            raise TypeError(f"`probe_data` must be a batch; its x holds a scalar {leaf!r}.")
+        if leaf.shape[0] == 0:
+            raise ValueError("`probe_data` has no samples: give a batch of at least one.")
+    return x, y
+
+
 class _Mirror(keras.metrics.Metric):
     """Holds values the monitor reads outside the training step, so that Keras
     reports them like any metric (progress bar, History, evaluate's result)."""
@@ -139,8 +162,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
     `"<layer name>/<weight>_regularizer"` / `"<layer name>/activity_regularizer"`
     (weight 1, its value being what it adds to the loss, factor included) —
     `"<term>/grad_norm"` (‖∂termᵢ/∂θ‖₂ over all trainable weights, unweighted)
-    and `"<term>/grad_norm_weighted"`, plus `"loss/grad_norm"` (the compiled
-    loss) and `"total/grad_norm"` (the whole training loss), and the
+    and `"<term>/grad_norm_weighted"`, plus `"base_loss/grad_norm"` (the
+    compiled loss) and `"total/grad_norm"` (the whole training loss, what
+    History calls `"loss"`), and the
     regularizers' values. They reach the progress bar on probe batches and,
     averaged over the epoch's probes, History (list the monitor before a
     CSVLogger or TensorBoard callback so they see them). The probe runs in
@@ -149,7 +173,8 @@ class PenaltyMonitor(keras.callbacks.Callback):
     torch `.grad`, the same training trajectory.
 
     Args:
-        probe_data: `(x, y)` or `x`: a fixed batch to probe on; None for no probes.
+        probe_data: `(x, y)`, `[x, y]` or `x`: a fixed, non-empty batch to
+            probe on; None for no probes.
         every_n_batches: probe every this many training batches (≥ 1). The
             objectives' values in the progress bar are refreshed at the same
             interval and after each epoch's last batch (reading them waits
@@ -161,7 +186,8 @@ class PenaltyMonitor(keras.callbacks.Callback):
         history: one dict per probe: `"step"`, `"epoch"`, and for each term
             `"<term>"`, `"<term>/weight"`, `"<term>/contribution"` and, with
             gradient norms, `"<term>/grad_norm"`, `"<term>/grad_norm_weighted"`;
-            plus `"loss"`, `"total"` and their `/grad_norm`.
+            plus `"base_loss"` (the compiled loss), `"total"` (the whole
+            training loss) and their `/grad_norm`.
 
     Example:
 
@@ -180,11 +206,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         if not isinstance(grad_norms, bool):
             raise TypeError(f"`grad_norms` must be a bool; got {grad_norms!r}.")
         if probe_data is not None:
-            x, y = probe_data if isinstance(probe_data, tuple) and len(probe_data) == 2 else (probe_data, None)
-            probe_data = (
-                keras.tree.map_structure(ops.convert_to_tensor, x),
-                None if y is None else keras.tree.map_structure(ops.convert_to_tensor, y),
-            )
+            probe_data = _probe_batch(probe_data)
         self.probe_data = probe_data
         self.every_n_batches = every_n_batches
         self.grad_norms = grad_norms
@@ -262,7 +284,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
             if norms is not None:
                 entry[f"{key}/grad_norm"] = float(norms[i])
                 entry[f"{key}/grad_norm_weighted"] = weight * float(norms[i])
-        for offset, key in ((-2, "loss"), (-1, "total")):
+        for offset, key in ((-2, "base_loss"), (-1, "total")):
             entry[key] = float(values[offset])
             if norms is not None:
                 entry[f"{key}/grad_norm"] = float(norms[offset])
@@ -277,7 +299,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 logs[f"{key}/grad_norm"] = entry[f"{key}/grad_norm"]
                 logs[f"{key}/grad_norm_weighted"] = entry[f"{key}/grad_norm_weighted"]
             if sources.has_loss:
-                logs["loss/grad_norm"] = entry["loss/grad_norm"]
+                logs["base_loss/grad_norm"] = entry["base_loss/grad_norm"]
             logs["total/grad_norm"] = entry["total/grad_norm"]
         return logs
 
@@ -337,13 +359,13 @@ class PenaltyMonitor(keras.callbacks.Callback):
         figure, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), sharex=True, squeeze=False)
         for key in sources.term_keys:
             axes[0, 0].plot(steps, [e[f"{key}/contribution"] for e in self.history], label=key)
-        axes[0, 0].plot(steps, [e["loss"] for e in self.history], "k--", label="loss")
+        axes[0, 0].plot(steps, [e["base_loss"] for e in self.history], "k--", label="base loss")
         axes[0, 0].set_ylabel("contribution to the loss")
         axes[0, 0].legend(fontsize="small")
         if self.grad_norms:
             for key in sources.term_keys:
                 axes[1, 0].plot(steps, [e[f"{key}/grad_norm_weighted"] for e in self.history], label=key)
-            axes[1, 0].plot(steps, [e["loss/grad_norm"] for e in self.history], "k--", label="loss")
+            axes[1, 0].plot(steps, [e["base_loss/grad_norm"] for e in self.history], "k--", label="base loss")
             axes[1, 0].plot(steps, [e["total/grad_norm"] for e in self.history], "k", label="total")
             axes[1, 0].set_yscale("log")
             axes[1, 0].set_ylabel("weighted ‖∂/∂θ‖")

@@ -11,9 +11,16 @@ under the package `"keras_penalties.losses"`.
 import keras
 from keras import ops
 
-from keras_penalties import _capture
+from keras_penalties import _capture, backend
 from keras_penalties import ops as penalties
-from keras_penalties.objective import build_terms, deserialize_terms, scalar, serialize_terms
+from keras_penalties.objective import (
+    MEAN_REDUCTIONS,
+    as_float32,
+    build_terms,
+    deserialize_terms,
+    scalar,
+    serialize_terms,
+)
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
 
 _PACKAGE = "keras_penalties.losses"
@@ -29,6 +36,13 @@ class _PenaltyLoss(keras.losses.Loss):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         for key, value in self._options.items():
             setattr(self, key, value)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = super().__call__(y_true, y_pred, sample_weight)
+        if self.reduction not in (None, "none") and tuple(value.shape) == (0,):
+            # Keras hands an empty batch's per-sample values back unreduced.
+            value = ops.sum(value)
+        return value
 
     def call(self, y_true, y_pred):
         return type(self).penalty(y_true, y_pred, reduction="none", **self._options)
@@ -127,6 +141,8 @@ class Entropy(_PenaltyLoss):
     """
 
     penalty = staticmethod(penalties.entropy)
+    # A term of a CompositeObjective may give it the prediction alone.
+    needs_y_true = False
 
     def __init__(
         self,
@@ -219,7 +235,11 @@ class CompositeLoss(keras.losses.Loss):
 
     Each term reduces itself (with its own `reduction`, the sample weights and
     the mask), so the total is what compiling each loss with `loss_weights`
-    would give. With `PenaltyMonitor` in `fit`'s callbacks, each term's
+    would give. Terms are computed in float32 (also from half-precision
+    predictions) and the total is the loss's `dtype`. Under
+    `tf.distribute.MirroredStrategy` the total and the reported values equal
+    the one-device ones: a per-sample mean is divided by the replicas as
+    Keras' own losses are, a sum over samples is not. With `PenaltyMonitor` in `fit`'s callbacks, each term's
     unweighted batch value appears in the logs as `"<loss name>/<term>"`.
 
     Args:
@@ -258,31 +278,48 @@ class CompositeLoss(keras.losses.Loss):
                     f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
                     "`inputs` applies to CompositeObjective."
                 )
+        self._sums = [t.sums_over_samples for t in self.terms.values()]
         self.tracker = TermMeans(self.name, list(self.terms))
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
 
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
+        """The term's unweighted float32 value on this replica's batch, as one
+        device would compute it on that batch."""
         if term.kind == "loss":
-            value = term.penalty(y_true, y_pred, sample_weight=sample_weight)
-        elif term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS:
-            value = term(y_true, y_pred)
-        else:
-            value = term(y_pred)
-        return scalar(name, value)
+            value = scalar(name, term.penalty(y_true, y_pred, sample_weight=sample_weight))
+            if getattr(term.penalty, "reduction", None) in MEAN_REDUCTIONS:
+                # Keras' Loss divided its mean by the replicas in scope; undo it.
+                value = value * float(backend.loss_replicas())
+            return value
+        if term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS:
+            return scalar(name, term(y_true, y_pred))
+        return scalar(name, term(y_pred))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        y_true, y_pred = as_float32(y_true), as_float32(y_pred)
         values = ops.stack(
             [
                 self._term_value(name, term, y_true, y_pred, sample_weight)
                 for name, term in self.terms.items()
             ]
         )
+        replicas = backend.replicas_in_sync()
+        if replicas > 1 and any(self._sums):
+            # The whole batch's value: replicas' sums add up, means average.
+            values = values * ops.convert_to_tensor([float(replicas) if s else 1.0 for s in self._sums])
         weights = ops.convert_to_tensor(self.effective_weights(), "float32")
         _capture.record(self, values)
         if self.tracker_registered:
+            # The tracker's sums add up over replicas and steps; its count
+            # too, so it reports the mean of the replicas' values.
             self.tracker.update_state(values)
-        return ops.cast(ops.sum(values * weights), self.dtype)
+        total = ops.sum(values * weights)
+        divisor = backend.loss_replicas()
+        if divisor > 1:
+            # As Keras' own losses do: the replicas' gradients are summed.
+            total = total / float(divisor)
+        return ops.cast(total, self.dtype)
 
     def effective_weights(self):
         """Each term's weight in the total, 0 for a disabled term."""

@@ -13,15 +13,28 @@ backend (under JAX's `jit` a Python float would be baked into the trace), and
 they flow out of JAX's stateless training step like BatchNormalization's
 statistics. `keras_penalties.callbacks.PenaltyMonitor` turns the running
 values into `"<objective>/<term>"` entries of fit/evaluate logs and History.
+
+Mixed precision: the state is float32 and never autocast, and terms see
+float32 copies of half-precision activations. Several devices: each replica
+contributes its terms scaled so that Keras' division of every added loss by
+the number of replicas gives the one-device loss (a sum over samples is
+multiplied by the replicas, a per-sample mean is not), and the running values
+combine across replicas by their mean.
 """
 
 import re
+import weakref
 
 import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import _capture, gradients
+# Private Keras state, read only: which forward pass (a JAX stateless scope
+# in `fit`, else the outermost layer call) a call belongs to.
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+from keras_penalties import _capture, backend, gradients
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
@@ -37,8 +50,55 @@ def _is_schedule(weight):
 
 
 def check_weight(name, weight):
-    """A term weight: a number ≥ 0 and finite, or a schedule of the step."""
-    return weight if _is_schedule(weight) else num.non_negative(name, weight)
+    """A term weight: a number ≥ 0 and finite, or a schedule of the step that
+    is ≥ 0 at step 0."""
+    if isinstance(weight, type):
+        raise TypeError(f"`{name}` must be a number or a schedule instance; got the class {weight.__name__}.")
+    if not _is_schedule(weight):
+        return num.non_negative(name, weight)
+    try:
+        first = float(ops.convert_to_numpy(weight(0)))
+    except Exception as error:  # noqa: BLE001 -- reported with the argument's name
+        raise TypeError(f"`{name}` is a schedule that cannot be evaluated at step 0: {error}") from error
+    if not first >= 0:
+        raise ValueError(f"`{name}` is a schedule whose value at step 0 is {first}; weights must be >= 0.")
+    return weight
+
+
+# Without a `reduction` option these terms use Keras' activity-regularizer
+# scale in a composite, so their strength does not depend on the batch size.
+_BATCH_MEAN_BY_DEFAULT = ("l1", "l2", "elastic_net")
+# A Keras Loss with one of these reductions divides by the batch size (and,
+# under a tf.distribute strategy, by the number of replicas).
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _half(t):
+    return hasattr(t, "dtype") and keras.backend.standardize_dtype(t.dtype) in ("float16", "bfloat16")
+
+
+def as_float32(tensors):
+    """Half-precision tensors of a structure as float32 copies; the others as they are."""
+    return keras.tree.map_structure(lambda t: ops.cast(t, "float32") if _half(t) else t, tensors)
+
+
+def _loadable(name, obj):
+    """What `Term.from_config` may rebuild: Keras objects, schedules, ops
+    functions and objects registered with Keras; a `.keras` file naming any
+    other importable function (`keras.config.set_floatx`) is refused."""
+    if isinstance(obj, (keras.regularizers.Regularizer, keras.losses.Loss,
+                        keras.optimizers.schedules.LearningRateSchedule)):
+        return obj
+    if any(obj is fn for fn in _OPS.values()):
+        return obj
+    registered = keras.saving.get_registered_name(obj)
+    if ">" in registered and keras.saving.get_registered_object(registered) is obj:
+        return obj
+    raise ValueError(
+        f"Term `{name}` {obj!r} is neither a keras_penalties.ops function, a Loss, a "
+        "Regularizer, a schedule, nor a function registered with "
+        "keras.saving.register_keras_serializable; refusing to load it."
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_penalties")
@@ -74,6 +134,11 @@ class Term:
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"`options` must be a dict or None; got {options!r}.")
         options = dict(options or {})
+        if isinstance(penalty, type):
+            raise TypeError(
+                f"`penalty` must be an instance, not the class {penalty.__name__}: "
+                f"write e.g. {penalty.__name__}(...)."
+            )
         if isinstance(penalty, str):
             if penalty not in _OPS:
                 raise ValueError(
@@ -83,6 +148,8 @@ class Term:
             penalty = _OPS[penalty]
         if any(penalty is fn for fn in _OPS.values()):
             self.kind = "op"
+            if penalty.__name__ in _BATCH_MEAN_BY_DEFAULT:
+                options.setdefault("reduction", "sum_over_batch_size")
             options = penalty.check_options(**options)
         elif isinstance(penalty, (keras.regularizers.Regularizer, keras.losses.Loss)):
             if options:
@@ -101,9 +168,13 @@ class Term:
         self.penalty = penalty
         self.options = options
         self.weight = check_weight("weight", weight)
-        if isinstance(inputs, (str, int)):
+        if isinstance(inputs, (str, int)) and not isinstance(inputs, bool):
             inputs = (inputs,)
         if inputs is not None:
+            if not isinstance(inputs, (list, tuple)):
+                raise TypeError(
+                    f"`inputs` must be None, a name, a position, or a sequence of them; got {inputs!r}."
+                )
             inputs = tuple(inputs)
             if not inputs or not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in inputs):
                 raise ValueError(
@@ -115,6 +186,17 @@ class Term:
     @property
     def scheduled(self):
         return _is_schedule(self.weight)
+
+    @property
+    def sums_over_samples(self):
+        """Whether the value is a sum over samples (it then grows with the
+        batch, and a distributed step adds the replicas' values) rather than
+        a per-sample mean or a statistic of the batch."""
+        if self.kind == "op":
+            return self.options.get("reduction") == "sum"
+        if self.kind == "loss":
+            return getattr(self.penalty, "reduction", None) == "sum"
+        return False
 
     def copy(self):
         return Term(self.penalty, self.weight, self.inputs, self.enabled, self.options)
@@ -129,13 +211,12 @@ class Term:
             (x,) = tensors
             value = self.penalty(x)
             if len(x.shape) > 0:
-                value = value / ops.cast(ops.shape(x)[0], value.dtype)
+                # As Keras divides an activity regularizer (0 for no samples).
+                value = value / ops.cast(num.batch_size(x), value.dtype)
             return value
         if len(tensors) == 2:
             return self.penalty(*tensors)
-        from keras_penalties.losses import Entropy  # here: losses imports this module
-
-        if len(tensors) == 1 and isinstance(self.penalty, Entropy):
+        if len(tensors) == 1 and not getattr(self.penalty, "needs_y_true", True):
             return self.penalty(None, tensors[0])
         raise ValueError(
             f"a Loss takes two tensors (y_true, y_pred); got {len(tensors)}. "
@@ -158,7 +239,7 @@ class Term:
         config = dict(config)
         for key in ("penalty", "weight"):
             if isinstance(config[key], dict):
-                config[key] = keras.saving.deserialize_keras_object(config[key])
+                config[key] = _loadable(key, keras.saving.deserialize_keras_object(config[key]))
         return cls(**config)
 
     def __repr__(self):
@@ -169,6 +250,8 @@ class Term:
 def build_terms(terms, weights=None):
     """Validates `terms` (dict name → Term or penalty) and `weights`; returns
     a dict name → Term, each error naming the offending term."""
+    if weights is not None and not isinstance(weights, dict):
+        raise TypeError(f"`weights` must be a dict of term name -> weight, or None; got {weights!r}.")
     if isinstance(terms, dict):
         items = list(terms.items())
     elif isinstance(terms, (list, tuple)) and all(isinstance(t, tuple) and len(t) == 2 for t in terms):
@@ -215,6 +298,9 @@ def deserialize_terms(config):
 def scalar(name, value):
     """A term's value as a float32 scalar; anything else is an error naming it."""
     value = ops.convert_to_tensor(value)
+    if len(value.shape) == 1 and value.shape[0] == 0:
+        # A Keras Loss hands an empty batch's per-sample values back unreduced.
+        value = ops.sum(value)
     if len(value.shape) != 0:
         raise ValueError(
             f"Term {name!r} must return a scalar; it returned shape {tuple(value.shape)}. "
@@ -251,6 +337,8 @@ class CompositeObjective(keras.layers.Layer):
     """
 
     def __init__(self, terms, weights=None, name=None, **kwargs):
+        # A pass-through: inputs keep their dtype under a mixed policy.
+        kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
         self.terms = build_terms(terms, weights)
         self.supports_masking = True
@@ -258,10 +346,18 @@ class CompositeObjective(keras.layers.Layer):
         # Fixed for the life of the layer: the traced step evaluates these.
         self._schedules = [t.weight if t.scheduled else None for t in self.terms.values()]
         self._scheduled = np.array([s is not None for s in self._schedules])
+        self._sums = np.array([t.sums_over_samples for t in self.terms.values()])
+        # Per forward pass: the weights of its step, and the losses it added.
+        self._passes = weakref.WeakKeyDictionary()
 
-        def state(name, shape, values, dtype="float32"):
+        def state(name, shape, values, dtype="float32", aggregation="mean"):
+            # float32 and never autocast: under a mixed policy a weight of 1e5
+            # would read inf and a step count would stall at 2049. Replicas
+            # assign the same value to the weights; running sums combine by
+            # their mean (see `call`).
             variable = self.add_weight(
-                shape=shape, initializer="zeros", trainable=False, dtype=dtype, name=name
+                shape=shape, initializer="zeros", trainable=False, dtype=dtype, name=name,
+                autocast=False, aggregation=aggregation,
             )
             variable.assign(np.asarray(values, dtype=dtype))
             return variable
@@ -272,8 +368,9 @@ class CompositeObjective(keras.layers.Layer):
         self.term_enabled = state("term_enabled", (n,), [float(t.enabled) for t in self.terms.values()])
         # 1 where set_weight replaced a schedule by a number.
         self.weight_overridden = state("weight_overridden", (n,), np.zeros(n))
-        self.step = state("step", (), 0, dtype="int32")
-        # Running sums of each term's unweighted value, and batch counts; row
+        # Training steps taken: every replica advances it alike.
+        self.step = state("step", (), 0, dtype="int32", aggregation="only_first_replica")
+        # Running sums of each term's unweighted value, and call counts; row
         # 0 for training calls, row 1 for the others (evaluate, predict).
         self.value_sums = state("value_sums", (2, n), np.zeros((2, n)))
         self.value_counts = state("value_counts", (2,), np.zeros(2))
@@ -310,22 +407,22 @@ class CompositeObjective(keras.layers.Layer):
         )
 
     def term_value(self, name, inputs):
-        """One term's unweighted float32 scalar on `inputs`."""
+        """One term's unweighted float32 scalar on `inputs` (half-precision
+        tensors are computed in float32)."""
         term = self.terms[name]
-        return scalar(name, term(*self._arguments(name, term, inputs)))
+        return scalar(name, term(*self._arguments(name, term, as_float32(inputs))))
 
     def _values(self, inputs):
         """Each term's unweighted value, in term order, stacked."""
+        inputs = as_float32(inputs)
         return ops.stack([self.term_value(name, inputs) for name in self.terms])
 
-    def current_weights(self):
-        """The weight vector used by the next step: schedules at the current step
-        (unless `set_weight` replaced them), numbers as set."""
+    def _weights_at(self, step):
         if not self._scheduled.any():
             return self.term_weights.value
         scheduled = ops.stack(
             [
-                ops.zeros((), "float32") if schedule is None else ops.cast(schedule(self.step.value), "float32")
+                ops.zeros((), "float32") if schedule is None else ops.cast(schedule(step), "float32")
                 for schedule in self._schedules
             ]
         )
@@ -334,28 +431,75 @@ class CompositeObjective(keras.layers.Layer):
         )
         return ops.where(use_schedule, scheduled, self.term_weights.value)
 
+    def current_weights(self):
+        """The weight vector used by the next step: schedules at the current step
+        (unless `set_weight` replaced them), numbers as set."""
+        return self._weights_at(self.step.value)
+
     def effective_weights(self):
         """What each term's value is multiplied by in the total: its current
         weight, or 0 while disabled."""
         return self.current_weights() * self.term_enabled.value
 
-    def _total(self, values):
-        return ops.sum(values * self.effective_weights())
+    def _total(self, values, weights=None):
+        weights = self.current_weights() if weights is None else weights
+        return ops.sum(values * weights * self.term_enabled.value)
+
+    def _pass(self, training):
+        """The state of the forward pass this call belongs to.
+
+        A shared encoder calls the objective once per view in one training
+        step: every call of a step reads the weights of that step, and the
+        step count advances once. A pass is JAX's stateless scope in `fit`
+        (there each layer call is its own outermost call), else the
+        outermost layer call (the model's).
+        """
+        token = get_stateless_scope() or global_state.get_global_attribute("current_call_ctx")
+        state = None if token is None else self._passes.get(token)
+        if state is None:
+            step = self.step.value
+            state = {"weights": self._weights_at(step), "losses": []}
+            if training:
+                self.step.assign(step + 1)
+            if token is not None:
+                self._passes[token] = state
+        return state
+
+    def _add_loss_of_pass(self, state, total):
+        # Keras clears a layer's losses whenever a layer is entered afresh;
+        # on JAX each call in `fit` is, so a second call would drop the
+        # first call's penalty (plain Keras regularizers do lose it there).
+        # Add back whatever of this pass was dropped.
+        held = self._get_own_losses()
+        for loss in state["losses"]:
+            if not any(loss is h for h in held):
+                self.add_loss(loss)
+        self.add_loss(total)
+        state["losses"].append(total)
 
     def call(self, inputs, training=None):
         values = self._values(inputs)
         _capture.record(self, values)
-        self.add_loss(self._total(values))
+        replicas = backend.replicas_in_sync()
+        if replicas > 1 and self._sums.any():
+            # Keras divides each replica's added loss by the replicas: a sum
+            # over samples must be the sum over all of them.
+            values = values * ops.convert_to_tensor(np.where(self._sums, float(replicas), 1.0).astype("float32"))
+        state = self._pass(training)
+        self._add_loss_of_pass(state, self._total(values, state["weights"]))
         row = np.zeros((2, 1), "float32")
         row[_EVAL if not training else _TRAIN] = 1.0
         row = ops.convert_to_tensor(row)
+        # Under a strategy each replica adds its own values; the variables
+        # keep their mean, which is the whole batch's value.
         self.value_sums.assign(self.value_sums.value + row * values[None, :])
         self.value_counts.assign(self.value_counts.value + row[:, 0])
-        if training:
-            self.step.assign(self.step.value + 1)
         return inputs
 
     def compute_output_spec(self, inputs, training=None):
+        # Check what each term reads now, when the model is built.
+        for name, term in self.terms.items():
+            self._arguments(name, term, inputs)
         # The same specs, as new tensors: returning the inputs themselves would
         # make the functional graph a cycle.
         return keras.tree.map_structure(
@@ -451,6 +595,12 @@ class CompositeObjective(keras.layers.Layer):
             "total_grad_norm"}`, contribution = weight × value, over the
             enabled terms. Gradient norms are `None` unless `grad_norms`.
         """
+        if base_loss is not None and not callable(base_loss):
+            if isinstance(base_loss, (str, bytes, bool)) or not (
+                isinstance(base_loss, (int, float, np.number)) or hasattr(base_loss, "shape")
+            ):
+                raise TypeError(f"`base_loss` must be None, a scalar or a callable of `inputs`; got {base_loss!r}.")
+        grad_norms = num.boolean("grad_norms", grad_norms)
         total, values = self.compute(inputs)
         weights = ops.convert_to_numpy(self.current_weights())
         base = base_loss(inputs) if callable(base_loss) else base_loss

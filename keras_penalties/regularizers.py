@@ -2,7 +2,9 @@
 
 Each is a `keras.regularizers.Regularizer` whose first argument is the
 strength `factor` (≥ 0, finite); `reg(x)` returns factor × a penalty from
-`keras_penalties.ops`, as a scalar in x's dtype. All round-trip through
+`keras_penalties.ops`, as a scalar in x's dtype, except that float16/bfloat16
+inputs give a float32 value computed in float32 (mixed precision: the sum
+neither overflows nor rounds in half precision, and a loss is float32). All round-trip through
 `get_config`/`from_config` and are registered under the package
 `"keras_penalties.regularizers"`, so models using them save and load.
 
@@ -45,6 +47,12 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
         return type(self).penalty(x, **self._options)
 
     def __call__(self, x):
+        x = ops.convert_to_tensor(x)
+        if keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16"):
+            # Mixed precision: a loss contribution is float32, and the sum
+            # must not overflow (or round) in half precision before the
+            # factor scales it down (L1(1e-4) of 131072 float16 ones is 13.1).
+            x = ops.cast(x, "float32")
         value = self.value(x)
         return ops.cast(self.factor, value.dtype) * value
 

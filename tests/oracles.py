@@ -17,8 +17,13 @@ from scipy.spatial import distance
 from keras_penalties import ops as P
 
 
+def _sum_over_batch_size(values):
+    values = np.asarray(values)
+    return values.sum() / max(values.shape[0] if values.ndim else 1, 1)
+
+
 def _reduce(values, reduction):
-    return {"sum": np.sum, "mean": np.mean, "none": np.asarray}[reduction](values)
+    return {"sum": np.sum, "mean": np.mean, "none": np.asarray, "sum_over_batch_size": _sum_over_batch_size}[reduction](values)
 
 
 def _dist(x, from_logits=False, temperature=1.0, axis=-1):
@@ -196,7 +201,7 @@ def _grid(**choices):
 
 
 def _cases():
-    reductions = ["sum", "mean", "none"]
+    reductions = ["sum", "mean", "none", "sum_over_batch_size"]
     div_reductions = ["mean", "sum", "none"]
     yield from (Case("l1", P.l1, np_l1, "real", o) for o in _grid(reduction=reductions))
     yield from (

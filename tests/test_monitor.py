@@ -32,8 +32,9 @@ def test_probe_values_and_gradient_norms_match_closed_forms():
     w, b = (to_numpy(v).astype(np.float64) for v in model.get_layer("lin").weights)
     x, y = X.astype(np.float64), Y.astype(np.float64)
     h = x @ w + b
-    # l1 = Σ|h|: ∂/∂W = xᵀ sign(h), ∂/∂b = Σₙ sign(h).
-    g_l1 = (x.T @ np.sign(h), np.sign(h).sum(0))
+    # l1 = Σ|h| / N (per-sample mean): ∂/∂W = xᵀ sign(h) / N, ∂/∂b = Σₙ sign(h) / N.
+    n = len(x)
+    g_l1 = (x.T @ np.sign(h) / n, np.sign(h).sum(0) / n)
     # kernel regularizer 0.05·Σ W²: ∂/∂W = 0.1·W.
     g_reg = (0.1 * w, np.zeros_like(b))
     # mse = mean((h − y)²): ∂/∂h = 2(h − y)/(N·3).
@@ -47,14 +48,14 @@ def test_probe_values_and_gradient_norms_match_closed_forms():
         return tuple(sum(weight * g[i] for weight, g in parts) for i in range(2))
 
     entry = monitor.history[-1]
-    np.testing.assert_allclose(entry["obj/l1"], np.abs(h).sum(), rtol=1e-5)
+    np.testing.assert_allclose(entry["obj/l1"], np.abs(h).sum() / n, rtol=1e-5)
     np.testing.assert_allclose(entry["lin/kernel_regularizer"], 0.05 * np.sum(w**2), rtol=1e-5)
     np.testing.assert_allclose(entry["obj/l1/grad_norm"], norm(g_l1), rtol=1e-5)
     np.testing.assert_allclose(entry["obj/l1/grad_norm_weighted"], 0.1 * norm(g_l1), rtol=1e-5)
     np.testing.assert_allclose(entry["lin/kernel_regularizer/grad_norm"], norm(g_reg), rtol=1e-5)
-    np.testing.assert_allclose(entry["loss/grad_norm"], norm(g_loss), rtol=1e-5)
+    np.testing.assert_allclose(entry["base_loss/grad_norm"], norm(g_loss), rtol=1e-5)
     np.testing.assert_allclose(entry["total/grad_norm"], norm(combine((1.0, g_loss), (0.1, g_l1), (1.0, g_reg))), rtol=1e-5)
-    np.testing.assert_allclose(entry["loss"], np.mean((h - y) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(entry["base_loss"], np.mean((h - y) ** 2), rtol=1e-5)
     # Epoch logs average the epoch's probes (two here, with frozen weights: equal).
     np.testing.assert_allclose(history["obj/l1/grad_norm"][0], norm(g_l1), rtol=1e-5)
     np.testing.assert_allclose(history["lin/kernel_regularizer"][0], 0.05 * np.sum(w**2), rtol=1e-5)
@@ -133,7 +134,7 @@ def test_history_plot_and_composite_loss_keys():
     model = _stateful_model()
     monitor = PenaltyMonitor(probe_data=(X, Y), every_n_batches=2)
     history = model.fit(X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[monitor]).history
-    for key in ("composite_loss/cos/grad_norm", "obj/ent/grad_norm_weighted", "total/grad_norm", "loss/grad_norm"):
+    for key in ("composite_loss/cos/grad_norm", "obj/ent/grad_norm_weighted", "total/grad_norm", "base_loss/grad_norm"):
         assert key in history and np.isfinite(history[key][0]), key
     entry = monitor.history[0]
     assert entry["obj/ent/contribution"] == pytest.approx(entry["obj/ent/weight"] * entry["obj/ent"])

@@ -37,8 +37,8 @@ def test_compute_matches_oracles_and_weights():
     total, values = objective.compute(X)
     x = X.astype(np.float64)
     expected = {
-        "l1": O.np_l1(x),
-        "l2": O.np_l2(x, center="mean"),
+        "l1": O.np_l1(x, "sum_over_batch_size"),
+        "l2": O.np_l2(x, "sum_over_batch_size", center="mean"),
         "ent": _np_entropy_logits(x),
         # A regularizer term adds what it would as an activity regularizer.
         "mag": 2.0 * O.np_output_magnitude(x, 1.0, reduction="sum") / len(x),
@@ -53,7 +53,7 @@ def test_compute_matches_oracles_and_weights():
 def test_weights_argument_overrides_term_weights():
     objective = CompositeObjective({"l1": Term("l1", 3.0), "l2": "l2"}, weights={"l1": 0.5})
     total, _ = objective.compute(X)
-    np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l1(X) + O.np_l2(X), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l1(X, "sum_over_batch_size") + O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
 
 
 def test_dict_inputs_feed_named_entries_in_order():
@@ -91,7 +91,7 @@ def test_call_is_identity_and_adds_the_total():
     out = objective(X)
     np.testing.assert_array_equal(to_numpy(out), X)
     (loss,) = objective.losses
-    np.testing.assert_allclose(to_numpy(loss), 0.1 * O.np_l1(X) + 0.2 * O.np_l2(X), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(loss), 0.1 * O.np_l1(X, "sum_over_batch_size") + 0.2 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
 
 
 def test_set_weight_enable_disable():
@@ -100,10 +100,10 @@ def test_set_weight_enable_disable():
     objective.disable("l1")
     total, values = objective.compute(X)
     assert list(values) == ["l2"]
-    np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l2(X), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
     objective.enable("l1")
     total, values = objective.compute(X)
-    np.testing.assert_allclose(to_numpy(total), O.np_l1(X) + 0.5 * O.np_l2(X), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(total), O.np_l1(X, "sum_over_batch_size") + 0.5 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
     with pytest.raises(ValueError, match=r"Unknown term 'l3'; terms are \['l1', 'l2'\]"):
         objective.set_weight("l3", 1.0)
     with pytest.raises(TypeError, match=r"set_weight takes a number"):
@@ -117,7 +117,7 @@ def test_set_weight_replaces_a_schedule():
     objective = CompositeObjective({"l1": Term("l1", schedule)})
     np.testing.assert_allclose(to_numpy(objective.compute(X)[0]), 0.0)
     objective.set_weight("l1", 0.25)
-    np.testing.assert_allclose(to_numpy(objective.compute(X)[0]), 0.25 * O.np_l1(X), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(objective.compute(X)[0]), 0.25 * O.np_l1(X, "sum_over_batch_size"), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- inside fit
@@ -168,7 +168,7 @@ def test_fit_minimizes_base_plus_weighted_terms_with_schedule_and_logs_each_term
         x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]
     ).history
     hidden, base = _hidden_and_base(model, xb, yb)
-    l1, mag = O.np_l1(hidden), O.np_output_magnitude(hidden, 0.5)
+    l1, mag = O.np_l1(hidden, "sum_over_batch_size"), O.np_output_magnitude(hidden, 0.5)
     for epoch in range(3):
         steps = np.arange(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH)
         mean_weight = np.mean(np.minimum(steps / 6.0, 1.0))
@@ -207,7 +207,8 @@ def test_changes_during_fit_take_effect_next_step_without_retracing():
         return history.history["loss"], _hidden_and_base(model, xb, yb), len(traces)
 
     losses, (hidden, base), changed_traces = run([_Control()])
-    l1, l2 = O.np_l1(hidden), O.np_l2(hidden)
+    # counted_l2 calls the op with its own default reduction, the sum.
+    l1, l2 = O.np_l1(hidden, "sum_over_batch_size"), O.np_l2(hidden)
     np.testing.assert_allclose(losses[0], base + 0.1 * l1 + 0.5 * l2, rtol=1e-5)
     np.testing.assert_allclose(losses[1], base + 0.5 * l2, rtol=1e-5)
     np.testing.assert_allclose(losses[2], base + 0.1 * l1 + 3.0 * l2, rtol=1e-5)
@@ -346,7 +347,7 @@ def test_report_schema_and_values():
     assert json.loads(json.dumps(report)) == report
     assert set(report) == {"loss_total", "regularizer_total", "base_loss", "regularizers", "total_grad_norm"}
     assert list(report["regularizers"]) == ["l1", "l2"]
-    l1, l2 = O.np_l1(X), O.np_l2(X)
+    l1, l2 = O.np_l1(X, "sum_over_batch_size"), O.np_l2(X, "sum_over_batch_size")
     entry = report["regularizers"]["l2"]
     np.testing.assert_allclose(entry["value"], l2, rtol=1e-5)
     assert entry["weight"] == 2.0
@@ -365,12 +366,13 @@ def test_report_gradient_norms_match_closed_forms():
     report = objective.report(X, base_loss=lambda x: ops.sum(x), grad_norms=True)
     x = X.astype(np.float64)
     regs = report["regularizers"]
-    np.testing.assert_allclose(regs["l1"]["grad_norm"], np.sqrt(x.size), rtol=1e-5)  # ∇Σ|x| = sign x
-    np.testing.assert_allclose(regs["l2"]["grad_norm"], 2 * np.linalg.norm(x), rtol=1e-5)  # ∇Σx² = 2x
-    np.testing.assert_allclose(regs["l2"]["grad_norm_weighted"], 4 * np.linalg.norm(x), rtol=1e-5)
+    n = len(x)  # l1 and l2 are per-sample means in an objective
+    np.testing.assert_allclose(regs["l1"]["grad_norm"], np.sqrt(x.size) / n, rtol=1e-5)  # ∇Σ|x|/n = sign x / n
+    np.testing.assert_allclose(regs["l2"]["grad_norm"], 2 * np.linalg.norm(x) / n, rtol=1e-5)  # ∇Σx²/n = 2x/n
+    np.testing.assert_allclose(regs["l2"]["grad_norm_weighted"], 4 * np.linalg.norm(x) / n, rtol=1e-5)
     np.testing.assert_allclose(report["base_loss"]["grad_norm"], np.sqrt(x.size), rtol=1e-5)
     np.testing.assert_allclose(
-        report["total_grad_norm"], np.linalg.norm(0.5 * np.sign(x) + 4 * x + 1.0), rtol=1e-5
+        report["total_grad_norm"], np.linalg.norm((0.5 * np.sign(x) + 4 * x) / n + 1.0), rtol=1e-5
     )
 
 

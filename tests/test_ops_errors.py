@@ -21,7 +21,8 @@ class Untouchable:
 U = Untouchable()
 
 ERRORS = {
-    "reduction": (lambda: P.l1(U, reduction="avg"), ValueError, r"`reduction` must be one of 'sum', 'mean', 'none'; got 'avg'"),
+    "reduction": (lambda: P.l1(U, reduction="avg"), ValueError, r"`reduction` must be one of 'sum', 'mean', 'none', 'sum_over_batch_size'; got 'avg'"),
+    "reduction_divergence": (lambda: P.entropy(U, reduction="sum_over_batch_size"), ValueError, r"`reduction` must be one of 'sum', 'mean', 'none'; got"),
     "reduction_kl": (lambda: P.kl_divergence(U, U, reduction="batch"), ValueError, r"`reduction`"),
     "reduction_type": (lambda: P.entropy(U, reduction=None), ValueError, r"`reduction`"),
     "direction": (lambda: P.kl_divergence(U, U, direction="backward"), ValueError, r"`direction` must be one of 'forward', 'reverse', 'symmetric'"),

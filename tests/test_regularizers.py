@@ -115,13 +115,15 @@ def test_config_holds_every_option():
     assert R.L2(1.0, center="mean", clip=2.0).get_config() == {"factor": 1.0, "center": "mean", "clip": 2.0}
 
 
-def test_value_dtype_follows_input():
-    x = keras.ops.ones((4, 3), dtype="float16")
+@pytest.mark.parametrize("dtype, expected", [("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32")])
+def test_value_dtype_follows_input_and_half_gives_float32(dtype, expected):
+    # Mixed precision: a loss contribution is float32 (SPEC §2).
+    x = keras.ops.ones((4, 3), dtype=dtype)
     for reg in ALL_REGULARIZERS:
         if isinstance(reg, R.KLSparsity):
             continue  # needs activations in (0, 1)
-        assert keras.backend.standardize_dtype(reg(x).dtype) == "float16", reg
-    assert keras.backend.standardize_dtype(R.KLSparsity(1.0)(x * 0.5).dtype) == "float16"
+        assert keras.backend.standardize_dtype(reg(x).dtype) == expected, reg
+    assert keras.backend.standardize_dtype(R.KLSparsity(1.0)(x * 0.5).dtype) == expected
 
 
 ERRORS = {

@@ -16,6 +16,9 @@ import numpy as np
 from keras import ops
 
 REDUCTIONS = ("sum", "mean", "none")
+# The magnitude penalties (l1, l2, elastic_net) also take Keras' activity-
+# regularizer scale: the sum over all elements divided by the batch size.
+MAGNITUDE_REDUCTIONS = REDUCTIONS + ("sum_over_batch_size",)
 _HALF_DTYPES = ("float16", "bfloat16")
 
 
@@ -76,9 +79,14 @@ def choice(*allowed):
 def number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
         raise TypeError(f"`{name}` must be a number; got {value!r}.")
+    try:
+        value = float(value)
+    except OverflowError:
+        # An int beyond float range (10**400): too large to be a float.
+        raise ValueError(f"`{name}` must be finite; got an int too large for a float.") from None
     if not math.isfinite(value):
         raise ValueError(f"`{name}` must be finite; got {value!r}.")
-    return float(value)
+    return value
 
 
 def positive(name, value):
@@ -129,6 +137,7 @@ def optional(check):
 
 
 REDUCTION = choice(*REDUCTIONS)
+MAGNITUDE_REDUCTION = choice(*MAGNITUDE_REDUCTIONS)
 
 
 def check_axis(name, axis, ndim):
@@ -212,10 +221,28 @@ def count(x, axis=None):
     return n
 
 
+def at_least_one(n):
+    """max(n, 1) for a Python int or a symbolic size: a sum over nothing is
+    0, and 0 divided by it stays 0 (an empty batch gives 0, not NaN)."""
+    return max(n, 1) if isinstance(n, int) else ops.maximum(n, 1)
+
+
 def mean(x, axis=None):
-    """Mean over `axis` (an int, a tuple, or None for all axes)."""
+    """Mean over `axis` (an int, a tuple, or None for all axes); 0 where
+    there is nothing to average."""
     total = ops.sum(x, axis=axis)
-    return total / ops.cast(count(x, axis), total.dtype)
+    return total / ops.cast(at_least_one(count(x, axis)), total.dtype)
+
+
+def batch_size(x):
+    """The size of axis 0 (1 for a scalar), at least 1."""
+    return at_least_one(ops.shape(x)[0]) if len(x.shape) else 1
+
+
+def check_rank(name, x, minimum, what):
+    """Raises unless `x` has rank >= `minimum`; `what` says why it is needed."""
+    if len(x.shape) < minimum:
+        raise ValueError(f"`{name}` must have rank >= {minimum} ({what}); got shape {tuple(x.shape)}.")
 
 
 def safe_log(x):
@@ -273,9 +300,15 @@ def probs_and_log_probs(x, *, from_logits, temperature, axis):
     return ops.exp(logp), logp
 
 
-def reduce(values, reduction):
+def reduce(values, reduction, batch=None):
+    """Reduces per-element (or per-sample) `values` as `reduction` asks;
+    `"sum_over_batch_size"` divides the sum by the size of axis 0 of `batch`
+    (default: of `values`)."""
     if reduction == "sum":
         return ops.sum(values)
     if reduction == "mean":
         return mean(values)
+    if reduction == "sum_over_batch_size":
+        total = ops.sum(values)
+        return total / ops.cast(batch_size(values if batch is None else batch), total.dtype)
     return values

@@ -32,10 +32,15 @@ _DISTRIBUTION_OPTIONS = dict(
 )
 
 
-def _convert_pair(p, q, names, axis):
+_NO_AXIS = "a distribution axis"
+
+
+def _convert_pair(p, q, names, axis, min_rank=1):
     """Converts both inputs to one compute dtype; returns (p, q, dtype, axis)."""
     (p, q), dtype = num.to_compute(p, q)
     num.check_same_shape(names, p, q)
+    if min_rank:
+        num.check_rank(names[0], p, min_rank, _NO_AXIS)
     return p, q, dtype, num.check_axis("axis", axis, max(len(p.shape), 1))
 
 
@@ -146,7 +151,8 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     1.0
     """
     (x,), dtype = num.to_compute(x)
-    axis = num.check_axis("axis", axis, max(len(x.shape), 1))
+    num.check_rank("x", x, 1, _NO_AXIS)
+    axis = num.check_axis("axis", axis, len(x.shape))
     p, logp = num.probs_and_log_probs(
         x, from_logits=from_logits, temperature=temperature, axis=axis
     )
@@ -187,7 +193,8 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
     >>> float(P.consistency([[1.0, 0.0]], [[0.0, 1.0]], metric="cosine"))
     1.0
     """
-    a, b, dtype, axis = _convert_pair(a, b, ("a", "b"), axis)
+    # mse and l1 of two scalars are defined; the other metrics need an axis.
+    a, b, dtype, axis = _convert_pair(a, b, ("a", "b"), axis, min_rank=0 if metric in ("mse", "l1") else 1)
     if metric == "kl":
         pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
         pb, logb = num.probs_and_log_probs(b, from_logits=from_logits, temperature=1.0, axis=axis)
@@ -240,9 +247,12 @@ def kl_sparsity(x, *, target=0.05, axis=0):
     0.8304
     """
     (x,), dtype = num.to_compute(x)
-    axis = num.check_axis("axis", axis, max(len(x.shape), 1))
+    num.check_rank("x", x, 1, "a batch axis")
+    axis = num.check_axis("axis", axis, len(x.shape))
     rho_hat = num.mean(x, axis=axis)
     values = target * (math.log(target) - num.safe_log(rho_hat)) + (1.0 - target) * (
         math.log(1.0 - target) - num.safe_log(1.0 - rho_hat)
     )
-    return num.from_compute(ops.sum(values), dtype)
+    # No samples, no statistic: 0 rather than the KL of an empty mean of 0.
+    samples = ops.cast(ops.shape(x)[axis], values.dtype)
+    return num.from_compute(ops.where(samples > 0, ops.sum(values), 0.0), dtype)

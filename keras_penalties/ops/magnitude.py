@@ -5,14 +5,16 @@ from keras import ops
 from keras_penalties.ops import _numerics as num
 
 
-@num.options(reduction=num.REDUCTION)
+@num.options(reduction=num.MAGNITUDE_REDUCTION)
 def l1(x, *, reduction="sum"):
     """L1 penalty: Σ|x|.
 
     Args:
         x: tensor of any shape.
-        reduction: `"sum"` (default) or `"mean"` over all elements, or
-            `"none"` for the elementwise |x|.
+        reduction: `"sum"` (default) or `"mean"` over all elements,
+            `"sum_over_batch_size"` (the sum divided by the size of axis 0:
+            each sample's sum, averaged over the batch, as Keras scales an
+            activity regularizer), or `"none"` for the elementwise |x|.
 
     Returns:
         A scalar (or, with `reduction="none"`, a tensor shaped like `x`) in
@@ -23,6 +25,8 @@ def l1(x, *, reduction="sum"):
     >>> from keras_penalties import ops as P
     >>> float(P.l1([[1.0, -2.0], [3.0, -4.0]]))
     10.0
+    >>> float(P.l1([[1.0, -2.0], [3.0, -4.0]], reduction="sum_over_batch_size"))  # 10 / 2 samples
+    5.0
     """
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
@@ -43,10 +47,12 @@ def _sum_abs(x):
 
 
 def _per_element(total, x, reduction):
-    """A whole-tensor sum as `reduction` ("sum" or "mean") asks."""
+    """A whole-tensor sum as `reduction` ("sum", "mean" or
+    "sum_over_batch_size") asks; 0 for an empty `x`."""
     if reduction == "sum":
         return total
-    return total / ops.cast(num.count(x), total.dtype)
+    n = num.count(x) if reduction == "mean" else num.batch_size(x)
+    return total / ops.cast(num.at_least_one(n), total.dtype)
 
 
 def _center(name, value):
@@ -57,13 +63,14 @@ def _center(name, value):
     return num.number(name, value)
 
 
-@num.options(reduction=num.REDUCTION, center=_center, clip=num.optional(num.positive))
+@num.options(reduction=num.MAGNITUDE_REDUCTION, center=_center, clip=num.optional(num.positive))
 def l2(x, *, reduction="sum", center=None, clip=None):
     """L2 penalty: Σ(x − c)², without the ½ (the Keras convention).
 
     Args:
         x: tensor of any shape.
-        reduction: `"sum"` (default), `"mean"` or `"none"` (elementwise).
+        reduction: `"sum"` (default), `"mean"`, `"sum_over_batch_size"`
+            (as for `l1`) or `"none"` (elementwise).
         center: `None` (c = 0), a number, or `"mean"` (c = mean of x, so the
             penalty is the spread of x around its own mean).
         clip: `None`, or a positive number: (x − c) is clipped to
@@ -89,14 +96,15 @@ def l2(x, *, reduction="sum", center=None, clip=None):
     return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
 
 
-@num.options(l1_ratio=num.closed_unit, reduction=num.REDUCTION)
+@num.options(l1_ratio=num.closed_unit, reduction=num.MAGNITUDE_REDUCTION)
 def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
 
     Args:
         x: tensor of any shape.
         l1_ratio: α in [0, 1]; 1 is pure L1, 0 pure L2.
-        reduction: `"sum"` (default), `"mean"` or `"none"` (elementwise).
+        reduction: `"sum"` (default), `"mean"`, `"sum_over_batch_size"`
+            (as for `l1`) or `"none"` (elementwise).
 
     Example:
 

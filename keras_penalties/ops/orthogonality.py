@@ -43,6 +43,13 @@ def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
         raise ValueError(
             f"`w` must have rank >= 2 (a matrix or a kernel); got shape {tuple(w.shape)}."
         )
+    rows = 1
+    for d in w.shape[:-1]:
+        rows = None if rows is None or d is None else rows * d
+    if w.shape[-1] == 0 or rows == 0:
+        raise ValueError(
+            f"`w` reshaped to [-1, last] has no vectors or empty ones; got shape {tuple(w.shape)}."
+        )
     v = ops.reshape(w, (-1, w.shape[-1]))
     if axis == "rows":
         v = ops.transpose(v)
