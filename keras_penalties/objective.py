@@ -350,30 +350,31 @@ class CompositeObjective(keras.layers.Layer):
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes = weakref.WeakKeyDictionary()
 
-        def state(name, shape, values, dtype="float32", aggregation="mean"):
+        def state(name, values, dtype="float32", aggregation="only_first_replica", local=False):
             # float32 and never autocast: under a mixed policy a weight of 1e5
-            # would read inf and a step count would stall at 2049. Replicas
-            # assign the same value to the weights; running sums combine by
-            # their mean (see `call`).
-            variable = self.add_weight(
-                shape=shape, initializer="zeros", trainable=False, dtype=dtype, name=name,
-                autocast=False, aggregation=aggregation,
-            )
-            variable.assign(np.asarray(values, dtype=dtype))
-            return variable
+            # would read inf and a step count would stall at 2049. Under a
+            # tf.distribute strategy, weights are the same on every replica
+            # (set from callbacks); the step and running values are each
+            # replica's own (`local`, "on_read": no cross-replica sync inside
+            # the forward pass): the step advances alike on each and reads
+            # as the first's, running values read as their mean.
+            values = np.asarray(values, dtype=dtype)
+            with keras.name_scope(self.name, caller=self):
+                return keras.Variable(
+                    initializer=values, shape=values.shape, dtype=dtype, trainable=False, autocast=False,
+                    aggregation=aggregation, synchronization="on_read" if local else "auto", name=name,
+                )
 
-        self.term_weights = state(
-            "term_weights", (n,), [0.0 if t.scheduled else t.weight for t in self.terms.values()]
-        )
-        self.term_enabled = state("term_enabled", (n,), [float(t.enabled) for t in self.terms.values()])
+        self.term_weights = state("term_weights", [0.0 if t.scheduled else t.weight for t in self.terms.values()])
+        self.term_enabled = state("term_enabled", [float(t.enabled) for t in self.terms.values()])
         # 1 where set_weight replaced a schedule by a number.
-        self.weight_overridden = state("weight_overridden", (n,), np.zeros(n))
+        self.weight_overridden = state("weight_overridden", np.zeros(n))
         # Training steps taken: every replica advances it alike.
-        self.step = state("step", (), 0, dtype="int32", aggregation="only_first_replica")
+        self.step = state("step", 0, dtype="int32", local=True)
         # Running sums of each term's unweighted value, and call counts; row
         # 0 for training calls, row 1 for the others (evaluate, predict).
-        self.value_sums = state("value_sums", (2, n), np.zeros((2, n)))
-        self.value_counts = state("value_counts", (2,), np.zeros(2))
+        self.value_sums = state("value_sums", np.zeros((2, n)), aggregation="mean", local=True)
+        self.value_counts = state("value_counts", np.zeros(2), aggregation="mean", local=True)
 
     # ------------------------------------------------------------ computation
 
@@ -491,7 +492,7 @@ class CompositeObjective(keras.layers.Layer):
         row[_EVAL if not training else _TRAIN] = 1.0
         row = ops.convert_to_tensor(row)
         # Under a strategy each replica adds its own values; the variables
-        # keep their mean, which is the whole batch's value.
+        # read as their mean, which is the whole batch's value.
         self.value_sums.assign(self.value_sums.value + row * values[None, :])
         self.value_counts.assign(self.value_counts.value + row[:, 0])
         return inputs

@@ -1,0 +1,141 @@
+"""Trains one model on one device and on two, in one process, and reports
+every difference. Run by tests/test_distributed.py in a subprocess, because
+the number of devices is fixed when the framework starts:
+
+    KERAS_BACKEND=jax python -m tests.distributed_run data_parallel
+    KERAS_BACKEND=jax python -m tests.distributed_run model_parallel
+    KERAS_BACKEND=tensorflow python -m tests.distributed_run mirrored
+
+It prints one JSON line: for each compared quantity (predictions, every
+History entry, every probe entry) the one-device and two-device values and
+their largest relative difference.
+"""
+
+import json
+import os
+import sys
+
+BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+if __name__ == "__main__" and BACKEND == "jax":
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+
+try:  # torch before tensorflow: the other order crashes here
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_penalties import CompositeObjective, Term  # noqa: E402
+from keras_penalties import losses as L  # noqa: E402
+from keras_penalties import regularizers as R  # noqa: E402
+from keras_penalties.callbacks import PenaltyMonitor  # noqa: E402
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 6)).astype("float32")
+Y = RNG.normal(size=(32, 4)).astype("float32")
+BATCH = 8  # global batch: 4 samples per replica
+
+
+class Control(keras.callbacks.Callback):
+    """Changes the objective from a callback: set_weight, disable, enable."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        objective = self.model.get_layer("obj")
+        if epoch == 1:
+            objective.set_weight("l1_sum", 0.01)
+            objective.disable("l1")
+        if epoch == 2:
+            objective.enable("l1")
+
+
+def build():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.Orthogonality(0.1), name="dense_a")(inputs)
+    hidden = keras.layers.Dense(8, kernel_regularizer=R.L2(0.01), name="dense_b")(hidden)
+    ramp = keras.optimizers.schedules.PolynomialDecay(0.0, 8, 0.2)
+    hidden = CompositeObjective(
+        {
+            "l1": Term("l1", 0.01),  # per-sample mean (sum over batch size)
+            "l1_sum": Term("l1", 0.001, options={"reduction": "sum"}),  # sum over samples
+            "ent": Term("entropy", ramp, options={"from_logits": True}),
+            "mag": R.OutputMagnitude(0.05),  # a Regularizer term
+        },
+        name="obj",
+    )(hidden)
+    outputs = keras.layers.Dense(4, name="out")(hidden)
+    model = keras.Model(inputs, outputs)
+    loss = L.CompositeLoss(
+        {
+            "mse": keras.losses.MeanSquaredError(),
+            "mae_sum": keras.losses.MeanAbsoluteError(reduction="sum"),
+            "cons": Term("consistency", options={"metric": "mse"}),
+            "bonus": L.Entropy(from_logits=True, mode="bonus"),
+        },
+        weights={"mse": 1.0, "mae_sum": 0.01, "cons": 0.5, "bonus": 0.01},
+        name="closs",
+    )
+    model.compile(keras.optimizers.SGD(0.05), loss=loss)
+    init = np.random.default_rng(1)
+    for variable in model.trainable_variables:
+        variable.assign(init.normal(size=tuple(variable.shape)).astype("float32") * 0.4)
+    return model
+
+
+def train():
+    model = build()
+    monitor = PenaltyMonitor(probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
+    history = model.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Control(), monitor])
+    evaluation = model.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=[PenaltyMonitor()])
+    results = {"predictions": np.asarray(model.predict(X, batch_size=BATCH, verbose=0)).tolist()}
+    results.update({f"history/{k}": v for k, v in history.history.items()})
+    results.update({f"evaluate/{k}": v for k, v in evaluation.items()})
+    for i, entry in enumerate(monitor.history):
+        results.update({f"probe{i}/{k}": v for k, v in entry.items()})
+    results["step"] = int(keras.ops.convert_to_numpy(model.get_layer("obj").step))
+    return results
+
+
+def distributed(mode):
+    if BACKEND == "jax":
+        devices = keras.distribution.list_devices("cpu")
+        assert len(devices) == 2, devices
+        if mode == "data_parallel":
+            return keras.distribution.DataParallel(devices=devices).scope()
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense_a/kernel"] = (None, "model")
+        layout_map["dense_b/kernel"] = ("model", None)
+        return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope()
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope()
+
+
+def main(mode):
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+        )
+    one = train()
+    with distributed(mode):
+        two = train()
+    report = {}
+    for key, value in one.items():
+        a, b = np.asarray(value, np.float64), np.asarray(two.get(key, np.nan), np.float64)
+        scale = max(float(np.max(np.abs(a))), 1e-6) if a.size else 1.0
+        report[key] = {
+            "one": value,
+            "two": two.get(key),
+            "rel": float(np.max(np.abs(a - b), initial=0.0) / scale) if a.shape == b.shape else float("inf"),
+        }
+    report["missing"] = sorted(set(two) - set(one))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,49 @@
+"""Several devices give the one-device numbers (SPEC §4): training, History,
+evaluate, every per-term value and every probe, to 1e-5 relative.
+
+Each mode runs tests/distributed_run.py in a subprocess, since the number of
+devices is fixed when the framework starts: JAX with 2 virtual CPU devices
+(`DataParallel`, and `ModelParallel` sharding two Dense kernels that carry
+Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
+(`MirroredStrategy`). The run holds mean and sum terms, a schedule, a
+Regularizer term, a CompositeLoss with mean, sum and ops terms, and a callback
+that calls set_weight/disable/enable.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.testing import BACKEND
+
+MODES = {"jax": ["data_parallel", "model_parallel"], "tensorflow": ["mirrored"], "torch": []}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(mode):
+    env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.distributed_run", mode],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution for the torch backend")
+@pytest.mark.parametrize("mode", MODES[BACKEND] or ["none"])
+def test_two_devices_match_one(mode):
+    report = _run(mode)
+    assert report.pop("missing") == []
+    assert report.pop("step")["two"] == 12  # 3 epochs of 4 steps, on every replica
+    keys = set(report)
+    # Every kind of number is compared, not only some.
+    for key in ("predictions", "history/loss", "history/obj/l1_sum", "history/closs/mae_sum",
+                "history/dense_a/kernel_regularizer", "evaluate/obj/ent", "probe0/total/grad_norm",
+                "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm"):
+        assert key in keys, key
+    bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
+    assert not bad, {k: (v["rel"], v["one"], v["two"]) for k, v in bad.items()}
