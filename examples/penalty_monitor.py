@@ -38,7 +38,8 @@ def main():
     warm_up = keras.optimizers.schedules.PolynomialDecay(0.0, 100, 0.1)
     inputs = keras.Input((20,))
     hidden = keras.layers.Dense(64, activation="relu", kernel_regularizer=R.L2(1e-3), name="hidden")(inputs)
-    hidden = CompositeObjective({"sparsity": Term("l1", 1e-4)}, name="activity")(hidden)
+    # Per-sample Σ|h| (averaged over the batch), so 3e-3 means the same at any batch size.
+    hidden = CompositeObjective({"sparsity": Term("l1", 3e-3)}, name="activity")(hidden)
     logits = keras.layers.Dense(4, name="logits")(hidden)
     logits = CompositeObjective(
         {"entropy_bonus": Term(L.Entropy(from_logits=True, mode="bonus"), warm_up)}, name="output"

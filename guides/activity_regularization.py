@@ -44,7 +44,7 @@ The objective passes its input through and adds Σ wᵢ·termᵢ to the loss.
 inputs = keras.Input((32,))
 hidden = keras.layers.Dense(64, activation="relu")(inputs)
 hidden = CompositeObjective(
-    {"sparsity": Term("l1", 1e-4), "magnitude": Term("output_magnitude", 1e-2, options={"target": 2.0})},
+    {"sparsity": Term("l1", 1e-3), "magnitude": Term("output_magnitude", 1e-2, options={"target": 2.0})},
     name="hidden_penalties",
 )(hidden)
 outputs = keras.layers.Dense(32)(hidden)

@@ -44,7 +44,7 @@ changes no state.
 
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)])
 objective = CompositeObjective(
-    {"bonus": Term(L.Entropy(from_logits=True, mode="bonus"), 0.05), "logit_l2": Term("l2", 1e-4)}, name="objective"
+    {"bonus": Term(L.Entropy(from_logits=True, mode="bonus"), 0.05), "logit_l2": Term("l2", 1e-3)}, name="objective"
 )
 task = keras.losses.CategoricalCrossentropy(from_logits=True)
 optimizer = keras.optimizers.Adam(1e-2)

@@ -104,7 +104,7 @@ inputs = keras.Input((6,))
 hidden = keras.layers.Dense(16, activation="relu")(inputs)
 hidden = CompositeObjective(
     {
-        "sparsity": Term("l1", 1e-4),
+        "sparsity": Term("l1", 1e-3),  # per-sample Σ|h|, averaged over the batch
         "magnitude": Term("output_magnitude", keras.optimizers.schedules.PolynomialDecay(0.0, 20, 0.1), options={"target": 1.0}),
     },
     name="objective",

@@ -40,7 +40,7 @@ hidden = keras.layers.Dense(
     32, activation="relu", kernel_regularizer=R.L2(1e-3), activity_regularizer=R.OutputMagnitude(1e-3, target=3.0), name="hidden"
 )(inputs)
 hidden = CompositeObjective(
-    {"sparsity": Term("l1", 1e-4), "decorrelate": Term(R.Orthogonality(1.0), 1e-2)}, name="objective"
+    {"sparsity": Term("l1", 1e-3), "decorrelate": Term(R.Orthogonality(1.0), 1e-2)}, name="objective"
 )(hidden)
 model = keras.Model(inputs, keras.layers.Dense(2, name="logits")(hidden))
 model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -12,6 +12,7 @@ import keras
 from keras import ops
 
 from keras_penalties import _capture, backend
+from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.objective import (
     MEAN_REDUCTIONS,
@@ -48,7 +49,11 @@ class _PenaltyLoss(keras.losses.Loss):
         return type(self).penalty(y_true, y_pred, reduction="none", **self._options)
 
     def get_config(self):
-        return {**super().get_config(), "dtype": self.dtype, **self._options}
+        return with_hint({**super().get_config(), "dtype": self.dtype, **self._options})
+
+    @classmethod
+    def from_config(cls, config):
+        return super().from_config(without_hint(config))
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -329,14 +334,15 @@ class CompositeLoss(keras.losses.Loss):
         return self(y_true, y_pred)
 
     def get_config(self):
-        return {
+        return with_hint({
             "name": self.name,
             "dtype": self.dtype,
             "terms": serialize_terms(self.terms),
-        }
+        })
 
     @classmethod
     def from_config(cls, config):
+        config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
 
 

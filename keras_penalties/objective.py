@@ -35,6 +35,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
 from keras_penalties import _capture, backend, gradients
+from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
@@ -630,8 +631,9 @@ class CompositeObjective(keras.layers.Layer):
         }
 
     def get_config(self):
-        return {**super().get_config(), "terms": serialize_terms(self.terms)}
+        return with_hint({**super().get_config(), "terms": serialize_terms(self.terms)})
 
     @classmethod
     def from_config(cls, config):
+        config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})

@@ -22,6 +22,7 @@ import keras
 from keras import ops
 
 from keras_penalties import ops as penalties
+from keras_penalties._saving import with_hint, without_hint
 from keras_penalties.ops import _numerics as num
 
 _PACKAGE = "keras_penalties.regularizers"
@@ -57,7 +58,11 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
         return ops.cast(self.factor, value.dtype) * value
 
     def get_config(self):
-        return {"factor": self.factor, **self._options}
+        return with_hint({"factor": self.factor, **self._options})
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**without_hint(config))
 
     def __repr__(self):
         options = "".join(f", {k}={v!r}" for k, v in self._options.items())

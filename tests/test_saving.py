@@ -1,7 +1,11 @@
 """Models using the regularizers and losses save to .keras and load back under safe_mode=True."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
+import pytest
 
 from keras_penalties import losses as L
 from keras_penalties import regularizers as R
@@ -74,3 +78,83 @@ def test_save_load_round_trip(tmp_path):
     np.testing.assert_allclose(
         loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6
     )
+
+
+# ---------------------------------------------------------------- what a .keras file may bring in
+
+
+@keras.saving.register_keras_serializable(package="keras_penalties_tests")
+def zero_fraction(x):
+    return keras.ops.mean(keras.ops.cast(keras.ops.equal(x, 0.0), "float32"))
+
+
+def _objective_model(term):
+    from keras_penalties import CompositeObjective
+
+    inputs = keras.Input((3,))
+    outputs = CompositeObjective({"t": term}, name="obj")(keras.layers.Dense(2)(inputs))
+    return keras.Model(inputs, outputs)
+
+
+def test_registered_function_term_loads(tmp_path):
+    from keras_penalties import Term
+
+    model = _objective_model(Term(zero_fraction, 0.5))
+    loaded = save_and_load(model, tmp_path)
+    assert loaded.get_layer("obj").terms["t"].penalty is zero_fraction
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [(keras.activations.relu, "refusing to load it"), (keras.config.set_floatx, "Could not locate function")],
+    ids=["keras_builtin", "keras_config"],
+)
+def test_unregistered_importable_function_is_refused(tmp_path, function, message):
+    from keras_penalties import Term
+
+    # Keras rebuilds the functions of its own built-in modules by name: a
+    # term is refused unless it is an ops function, a Loss, a Regularizer or
+    # registered.
+    model = _objective_model(Term(function))
+    with pytest.raises((ValueError, TypeError), match=message):
+        save_and_load(model, tmp_path)
+
+
+def test_loading_without_importing_the_package_says_to_import_it(tmp_path):
+    from keras_penalties import CompositeObjective
+
+    inputs = keras.Input((3,))
+    # L2 and KLDivergence share their names with Keras' own classes, which
+    # Keras would otherwise build from our configs.
+    hidden = keras.layers.Dense(2, kernel_regularizer=R.L2(0.1))(inputs)
+    models = {
+        "regularizer": keras.Model(inputs, hidden),
+        "objective": keras.Model(inputs, CompositeObjective({"l1": "l1"})(hidden)),
+    }
+    models["loss"] = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    models["loss"].compile("sgd", loss=L.KLDivergence(from_logits=True))
+    for name, model in models.items():
+        path = str(tmp_path / f"{name}.keras")
+        model.save(path)
+        script = (
+            "import sys, keras\n"
+            f"try:\n    keras.saving.load_model({path!r})\n"
+            "except Exception as error:\n    print(error)\n    sys.exit(0)\n"
+            "sys.exit('loaded without keras_penalties')\n"
+        )
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "import_keras_penalties_before_loading" in done.stdout, (name, done.stdout[-2000:])
+
+
+def test_composite_loss_terms_are_reported_after_a_reload(tmp_path):
+    from keras_penalties.callbacks import PenaltyMonitor
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones")])
+    model.compile(keras.optimizers.SGD(0.0), loss=L.CompositeLoss({"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, name="closs"))
+    x = np.ones((4, 3), "float32")
+    loaded = save_and_load(model, tmp_path)
+    history = loaded.fit(x, np.zeros((4, 2), "float32"), verbose=0, callbacks=[PenaltyMonitor()]).history
+    # Outputs are 3 everywhere: mse 9, entropy of two equal logits ln 2.
+    np.testing.assert_allclose(history["closs/mse"], [9.0], rtol=1e-6)
+    np.testing.assert_allclose(history["closs/ent"], [np.log(2)], rtol=1e-6)
