@@ -69,7 +69,8 @@ def test_objective_under_mixed_precision(policy, auto_scale_loss):
     )
     # A float16 count would stall at 2049 and a bfloat16 one at 257.
     objective.step.assign(5000)
-    history = model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]).history
+    monitor = PenaltyMonitor(probe_data=(X[:8], Y[:8]), every_n_batches=2)
+    history = model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor]).history
 
     for variable in objective.non_trainable_weights:
         assert variable.dtype in ("float32", "int32") and not variable._autocast, variable.path  # private: no public reader
@@ -85,6 +86,14 @@ def test_objective_under_mixed_precision(policy, auto_scale_loss):
     np.testing.assert_allclose(history["obj/tiny"][0], np.mean(l2), rtol=1e-6)
     penalty = np.mean([1e5 * a + (5000 + t) / 1e4 * b + 1e-8 * c for t, (a, b, c) in enumerate(zip(l1, ent, l2))])
     np.testing.assert_allclose(history["loss"][0] - history["mse"][0], penalty, rtol=1e-5)
+    # The probe sees the first batch, and the monitor's own state is float32.
+    probe = monitor.history[-1]
+    np.testing.assert_allclose([probe["obj/l1"], probe["obj/ent"]], [l1[0], ent[0]], rtol=1e-6)
+    # After batch t the next step's weight is in force: (5000 + t + 1) / 1e4.
+    np.testing.assert_allclose(probe["obj/ent/weight"], (5001 + probe["step"]) / 1e4, rtol=1e-6)
+    np.testing.assert_allclose(probe["obj/l1/contribution"], 1e5 * l1[0], rtol=1e-6)
+    np.testing.assert_allclose(probe["total"] - probe["base_loss"], 1e5 * l1[0] + probe["obj/ent/weight"] * ent[0] + 1e-8 * l2[0], rtol=1e-6)
+    assert all(v.dtype == "float32" for m in model.metrics for v in m.variables)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
@@ -156,6 +165,7 @@ def test_composite_loss_under_mixed_precision(policy):
     np.testing.assert_allclose(history["composite_loss/ent"][0], ent, rtol=1e-6)
     np.testing.assert_allclose(history["composite_loss/mse"][0], 0.0, atol=1e-7)
     np.testing.assert_allclose(history["loss"][0], 1e5 * ent, rtol=1e-6)
+    assert all(v.dtype == "float32" for v in loss.tracker.variables)
 
 
 # ---------------------------------------------------------------- shared layers

@@ -6,13 +6,11 @@ import functools
 import jax
 from keras import ops
 
+from keras_penalties.backend._common import loss_replicas, norm, outside_distribution, replicas_in_sync  # noqa: F401
+
 
 def gradients(fn, tensors):
     return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
-
-
-def _norm(grads):
-    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
 
 
 def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
@@ -32,22 +30,10 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
         norms = []
         for i in range(num_outputs):
             (_, values), grads = jax.value_and_grad(functools.partial(entry, i), has_aux=True)(trainable_values)
-            norms.append(_norm(grads))
+            norms.append(norm(grads))
         return values, ops.stack(norms)
 
     def probe(x, y):
         return run([v.value for v in trainable], [v.value for v in others], x, y)
 
     return probe
-
-
-def replicas_in_sync():
-    return 1
-
-
-def loss_replicas():
-    return 1
-
-
-def outside_distribution(fn):
-    return fn()

@@ -9,7 +9,8 @@ means by it wherever a strategy is in scope.
 import concurrent.futures
 
 import tensorflow as tf
-from keras import ops
+
+from keras_penalties.backend._common import norm
 
 
 def gradients(fn, tensors):
@@ -18,10 +19,6 @@ def gradients(fn, tensors):
             tape.watch(t)
         y = fn(*tensors)
     return tape.gradient(y, list(tensors), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-
-def _norm(grads):
-    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
 
 
 def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
@@ -37,7 +34,7 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
             return values, None
         # Each entry's gradient traverses only the ops it depends on.
         zero = tf.UnconnectedGradients.ZERO
-        return values, tf.stack([_norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
+        return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
 
     def probe(x, y):
         return outside_distribution(lambda: run(x, y))

@@ -1,7 +1,8 @@
 """PyTorch: `torch.autograd.grad`; Keras has no torch distribution."""
 
 import torch
-from keras import ops
+
+from keras_penalties.backend._common import loss_replicas, norm, outside_distribution, replicas_in_sync  # noqa: F401
 
 
 def gradients(fn, tensors):
@@ -14,10 +15,6 @@ def gradients(fn, tensors):
             return [torch.zeros_like(t) for t in tensors]
         grads = torch.autograd.grad(y, tensors, create_graph=True, allow_unused=True)
     return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
-
-
-def _norm(grads):
-    return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
 
 
 def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
@@ -36,19 +33,7 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
                     norms.append(torch.zeros((), device=values.device))
                     continue
                 grads = [g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None]
-                norms.append(_norm(grads) if grads else torch.zeros((), device=values.device))
+                norms.append(norm(grads) if grads else torch.zeros((), device=values.device))
         return values, torch.stack(norms).detach()
 
     return probe
-
-
-def replicas_in_sync():
-    return 1
-
-
-def loss_replicas():
-    return 1
-
-
-def outside_distribution(fn):
-    return fn()
