@@ -153,6 +153,8 @@ def test_config_round_trip(loss):
 def test_config_holds_every_option():
     loss = L.KLDivergence(from_logits=True, direction="symmetric", temperature=3.0, axis=1, reduction="sum", name="kd")
     assert loss.get_config() == {
+        # First, so loading without the package names it (see test_saving).
+        "import_keras_penalties_before_loading": True,
         "name": "kd",
         "reduction": "sum",
         "dtype": "float32",

@@ -105,14 +105,17 @@ def test_config_round_trip(reg):
 
 def test_config_holds_every_option():
     reg = R.Entropy(0.3, from_logits=True, mode="bonus", normalize=True, temperature=0.5)
+    hint = {"import_keras_penalties_before_loading": True}  # see test_saving
     assert reg.get_config() == {
+        **hint,
         "factor": 0.3,
         "from_logits": True,
         "mode": "bonus",
         "normalize": True,
         "temperature": 0.5,
     }
-    assert R.L2(1.0, center="mean", clip=2.0).get_config() == {"factor": 1.0, "center": "mean", "clip": 2.0}
+    assert R.L2(1.0, center="mean", clip=2.0).get_config() == {**hint, "factor": 1.0, "center": "mean", "clip": 2.0}
+    assert list(reg.get_config())[0] == "import_keras_penalties_before_loading"
 
 
 @pytest.mark.parametrize("dtype, expected", [("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32")])
