@@ -35,7 +35,7 @@ def _probe_batch(probe_data):
     )
     for name, part in (("x", x), ("y", y)):
         for leaf in keras.tree.flatten(part):
-            if isinstance(leaf, (str, bytes)) or (leaf is not None and not hasattr(leaf, "shape") and not isinstance(leaf, (list, tuple))):
+            if isinstance(leaf, (str, bytes)) or (leaf is not None and not hasattr(leaf, "shape")):
                 raise TypeError(
                     f"`probe_data` must be (x, y), [x, y] or x, arrays or tensors; its {name} holds {leaf!r}."
                 )

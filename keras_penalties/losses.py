@@ -15,16 +15,19 @@ from keras_penalties import _capture, backend
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.objective import (
-    MEAN_REDUCTIONS,
     as_float32,
     build_terms,
     deserialize_terms,
     scalar,
     serialize_terms,
+    whole_batch_values,
 )
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
 
 _PACKAGE = "keras_penalties.losses"
+# A Keras Loss with one of these reductions divides by the batch size (and,
+# under a tf.distribute strategy, by the number of replicas).
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
 class _PenaltyLoss(keras.losses.Loss):
@@ -293,7 +296,7 @@ class CompositeLoss(keras.losses.Loss):
         device would compute it on that batch."""
         if term.kind == "loss":
             value = scalar(name, term.penalty(y_true, y_pred, sample_weight=sample_weight))
-            if getattr(term.penalty, "reduction", None) in MEAN_REDUCTIONS:
+            if getattr(term.penalty, "reduction", None) in _MEAN_REDUCTIONS:
                 # Keras' Loss divided its mean by the replicas in scope; undo it.
                 value = value * float(backend.loss_replicas())
             return value
@@ -309,10 +312,7 @@ class CompositeLoss(keras.losses.Loss):
                 for name, term in self.terms.items()
             ]
         )
-        replicas = backend.replicas_in_sync()
-        if replicas > 1 and any(self._sums):
-            # The whole batch's value: replicas' sums add up, means average.
-            values = values * ops.convert_to_tensor([float(replicas) if s else 1.0 for s in self._sums])
+        values = whole_batch_values(values, self._sums)
         weights = ops.convert_to_tensor(self.effective_weights(), "float32")
         _capture.record(self, values)
         if self.tracker_registered:

@@ -69,18 +69,24 @@ def check_weight(name, weight):
 # Without a `reduction` option these terms use Keras' activity-regularizer
 # scale in a composite, so their strength does not depend on the batch size.
 _BATCH_MEAN_BY_DEFAULT = ("l1", "l2", "elastic_net")
-# A Keras Loss with one of these reductions divides by the batch size (and,
-# under a tf.distribute strategy, by the number of replicas).
-MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-
-
-def _half(t):
-    return hasattr(t, "dtype") and keras.backend.standardize_dtype(t.dtype) in ("float16", "bfloat16")
 
 
 def as_float32(tensors):
     """Half-precision tensors of a structure as float32 copies; the others as they are."""
-    return keras.tree.map_structure(lambda t: ops.cast(t, "float32") if _half(t) else t, tensors)
+    return keras.tree.map_structure(
+        lambda t: ops.cast(t, "float32") if hasattr(t, "dtype") and num.is_half(t.dtype) else t, tensors
+    )
+
+
+def whole_batch_values(values, sums):
+    """Each replica's term values scaled so that their mean over replicas is
+    the whole batch's value: a sum over samples (where `sums`) times the
+    number of replicas in sync, a per-sample mean as is. Keras divides each
+    replica's loss by that number before it adds up their gradients."""
+    replicas = backend.replicas_in_sync()
+    if replicas == 1 or not any(sums):
+        return values
+    return values * ops.convert_to_tensor(np.where(sums, float(replicas), 1.0).astype("float32"))
 
 
 def _loadable(name, obj):
@@ -411,13 +417,16 @@ class CompositeObjective(keras.layers.Layer):
     def term_value(self, name, inputs):
         """One term's unweighted float32 scalar on `inputs` (half-precision
         tensors are computed in float32)."""
+        return self._term_value(name, as_float32(inputs))
+
+    def _term_value(self, name, inputs):
         term = self.terms[name]
-        return scalar(name, term(*self._arguments(name, term, as_float32(inputs))))
+        return scalar(name, term(*self._arguments(name, term, inputs)))
 
     def _values(self, inputs):
         """Each term's unweighted value, in term order, stacked."""
         inputs = as_float32(inputs)
-        return ops.stack([self.term_value(name, inputs) for name in self.terms])
+        return ops.stack([self._term_value(name, inputs) for name in self.terms])
 
     def _weights_at(self, step):
         if not self._scheduled.any():
@@ -482,11 +491,7 @@ class CompositeObjective(keras.layers.Layer):
     def call(self, inputs, training=None):
         values = self._values(inputs)
         _capture.record(self, values)
-        replicas = backend.replicas_in_sync()
-        if replicas > 1 and self._sums.any():
-            # Keras divides each replica's added loss by the replicas: a sum
-            # over samples must be the sum over all of them.
-            values = values * ops.convert_to_tensor(np.where(self._sums, float(replicas), 1.0).astype("float32"))
+        values = whole_batch_values(values, self._sums)
         state = self._pass(training)
         self._add_loss_of_pass(state, self._total(values, state["weights"]))
         row = np.zeros((2, 1), "float32")

@@ -49,7 +49,7 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
 
     def __call__(self, x):
         x = ops.convert_to_tensor(x)
-        if keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16"):
+        if num.is_half(x.dtype):
             # Mixed precision: a loss contribution is float32, and the sum
             # must not overflow (or round) in half precision before the
             # factor scales it down (L1(1e-4) of 131072 float16 ones is 13.1).

@@ -197,6 +197,11 @@ def from_compute(x, dtype):
     return ops.cast(x, dtype)
 
 
+def is_half(dtype):
+    """Whether `dtype` is float16 or bfloat16 (computed in float32 here)."""
+    return keras.backend.standardize_dtype(dtype) in _HALF_DTYPES
+
+
 # ---------------------------------------------------------------- safe math
 
 
@@ -300,15 +305,18 @@ def probs_and_log_probs(x, *, from_logits, temperature, axis):
     return ops.exp(logp), logp
 
 
-def reduce(values, reduction, batch=None):
-    """Reduces per-element (or per-sample) `values` as `reduction` asks;
-    `"sum_over_batch_size"` divides the sum by the size of axis 0 of `batch`
-    (default: of `values`)."""
+def scale_sum(total, x, reduction):
+    """`total`, the sum of all of `x`, as `reduction` asks: as is (`"sum"`),
+    per element (`"mean"`) or per sample (`"sum_over_batch_size"`); 0 for
+    an empty `x`."""
     if reduction == "sum":
-        return ops.sum(values)
-    if reduction == "mean":
-        return mean(values)
-    if reduction == "sum_over_batch_size":
-        total = ops.sum(values)
-        return total / ops.cast(batch_size(values if batch is None else batch), total.dtype)
-    return values
+        return total
+    n = at_least_one(count(x)) if reduction == "mean" else batch_size(x)
+    return total / ops.cast(n, total.dtype)
+
+
+def reduce(values, reduction):
+    """Reduces per-element (or per-sample) `values` as `reduction` asks."""
+    if reduction == "none":
+        return values
+    return scale_sum(ops.sum(values), values, reduction)

@@ -31,7 +31,7 @@ def l1(x, *, reduction="sum"):
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(ops.abs(x), dtype)
-    return num.from_compute(_per_element(_sum_abs(x), x, reduction), dtype)
+    return num.from_compute(num.scale_sum(_sum_abs(x), x, reduction), dtype)
 
 
 # Σ|x| as a 1-norm is a single reduction: on eager torch abs-then-sum wrote
@@ -44,15 +44,6 @@ def l1(x, *, reduction="sum"):
 
 def _sum_abs(x):
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
-
-
-def _per_element(total, x, reduction):
-    """A whole-tensor sum as `reduction` ("sum", "mean" or
-    "sum_over_batch_size") asks; 0 for an empty `x`."""
-    if reduction == "sum":
-        return total
-    n = num.count(x) if reduction == "mean" else num.batch_size(x)
-    return total / ops.cast(num.at_least_one(n), total.dtype)
 
 
 def _center(name, value):
@@ -116,7 +107,7 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     if reduction == "none":
         return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
     total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * ops.sum(ops.square(x))
-    return num.from_compute(_per_element(total, x, reduction), dtype)
+    return num.from_compute(num.scale_sum(total, x, reduction), dtype)
 
 
 @num.options(target=num.non_negative, reduction=num.REDUCTION)
