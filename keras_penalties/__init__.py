@@ -1,6 +1,6 @@
 """keras-penalties: composable regularization penalties and loss terms for Keras 3."""
 
-from keras_penalties import callbacks, gradients, losses, ops, regularizers
+from keras_penalties import callbacks, gradients, losses, ops, optimizers, regularizers
 from keras_penalties.objective import CompositeObjective, Term
 
 __version__ = "0.1.0"
@@ -12,6 +12,7 @@ __all__ = [
     "gradients",
     "losses",
     "ops",
+    "optimizers",
     "regularizers",
     "__version__",
 ]

@@ -10,6 +10,9 @@ organises `keras/src/backend/`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
+- `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
+  `tf.distribute` replica context (None stays None); the tensors themselves
+  everywhere else.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
 - `outside_distribution(fn)`: runs `fn()` as on one device, where Keras
@@ -31,7 +34,8 @@ _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
 gradients = _module.gradients
 parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
+sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution
 
-__all__ = ["gradients", "parameter_probe", "replicas_in_sync", "loss_replicas", "outside_distribution"]
+__all__ = ["gradients", "parameter_probe", "replicas_in_sync", "sum_over_replicas", "loss_replicas", "outside_distribution"]

@@ -47,6 +47,19 @@ def replicas_in_sync():
     return 1 if context is None else context.num_replicas_in_sync
 
 
+def sum_over_replicas(tensors):
+    tensors = list(tensors)
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present:
+        return tensors
+    summed = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, [tensors[i] for i in present]
+    )
+    for i, t in zip(present, summed):
+        tensors[i] = t
+    return tensors
+
+
 def loss_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
 

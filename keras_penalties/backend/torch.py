@@ -2,7 +2,13 @@
 
 import torch
 
-from keras_penalties.backend._common import loss_replicas, norm, outside_distribution, replicas_in_sync  # noqa: F401
+from keras_penalties.backend._common import (  # noqa: F401
+    loss_replicas,
+    norm,
+    outside_distribution,
+    replicas_in_sync,
+    sum_over_replicas,
+)
 
 
 def gradients(fn, tensors):

@@ -1,0 +1,433 @@
+"""Optimizer wrappers: proximal (decoupled) decay and gradient transforms.
+
+Each wrapper is a `keras.optimizers.Optimizer` around another one (any Keras
+optimizer, or another wrapper), as Keras' `LossScaleOptimizer` is: pass it
+to `model.compile(optimizer=...)`. `learning_rate` and `iterations` are the
+inner optimizer's; its state is saved with the model. η_t below is the inner
+optimizer's learning rate at step t (schedules included) and t its
+`iterations` before the step.
+
+- `ProximalDecay(optimizer, regularizer)`: after the inner update,
+  v ← prox_{η_t·R}(v) for R an `L1`, `L2` or `ElasticNet` regularizer, with
+  the same `factor` as `kernel_regularizer=` would use. The decay is
+  decoupled from the inner optimizer's gradient statistics, so L1 gives exact
+  zeros under Adam too.
+- `GradientNoise`, `AdaptiveGradientClipping`, `GradientCentralization`:
+  transform each gradient before the inner optimizer sees it.
+
+`exclude` (a list of strings) leaves alone every variable whose `path`
+contains one of them, as Keras' `exclude_from_weight_decay(var_names=...)`.
+A variable with a `None` gradient is left alone too.
+"""
+
+import keras
+from keras import ops
+
+# Private Keras state, read only: whether `apply` runs inside JAX's stateless
+# training step (see `_Wrapper._inner_apply`).
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+from keras_penalties import backend, regularizers
+from keras_penalties._saving import with_hint, without_hint
+from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import magnitude
+
+_PACKAGE = "keras_penalties"
+
+
+def _check_optimizer(optimizer):
+    if isinstance(optimizer, str):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as error:
+            raise ValueError(f"`optimizer`: {error}") from None
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be a keras.optimizers.Optimizer instance (or a name "
+            f"such as 'adam'); got {optimizer!r}."
+        )
+    return optimizer
+
+
+def _check_exclude(exclude):
+    if exclude is None:
+        return []
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    if not isinstance(exclude, (list, tuple)) or not all(isinstance(s, str) for s in exclude):
+        raise TypeError(f"`exclude` must be None or a list of strings; got {exclude!r}.")
+    return list(exclude)
+
+
+class _Wrapper(keras.optimizers.Optimizer):
+    """Forwards everything but `apply` to `inner_optimizer`, as `LossScaleOptimizer`.
+
+    Subclasses implement `_apply(grads, variables)` with stateful reads and
+    assigns; `stateless_apply` (JAX) runs it in a `StatelessScope`, as the
+    base class runs `apply`.
+    """
+
+    def __init__(self, optimizer, *, exclude=None, name=None):
+        optimizer = _check_optimizer(optimizer)
+        exclude = _check_exclude(exclude)
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = optimizer
+        self.exclude = exclude
+
+    @property
+    def optimizer(self):
+        """The wrapped optimizer (also `inner_optimizer`, as in `LossScaleOptimizer`)."""
+        return self.inner_optimizer
+
+    def build(self, var_list):
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        self._build_own(var_list)
+        super().build(var_list)
+
+    def _build_own(self, var_list):
+        """Creates the wrapper's own state; most have none."""
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        # A LossScaleOptimizer nested inside scales the loss it unscales.
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `trainable_variables`, the optimizer "
+                    "must already be built: call `optimizer.build(trainable_variables)`."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if len(grads) == 0:
+            return
+        self._apply(list(grads), trainable_variables)
+
+    def _included(self, variable):
+        return not any(s in variable.path for s in self.exclude)
+
+    def _inner_apply(self, grads, variables):
+        if in_stateless_scope():
+            # JAX: the inner optimizer's own stateless path, which a
+            # LossScaleOptimizer needs (its `apply` branches with `cond`).
+            inner = self.inner_optimizer
+            new_values, new_state = inner.stateless_apply(
+                [v.value for v in inner.variables], grads, [v.value for v in variables]
+            )
+            for v, value in zip(variables, new_values):
+                v.assign(value)
+            for v, value in zip(inner.variables, new_state):
+                v.assign(value)
+        else:
+            self.inner_optimizer.apply(grads, variables)
+
+    def get_config(self):
+        # Not super().get_config(): the base options belong to the inner
+        # optimizer, as in LossScaleOptimizer.
+        return with_hint(
+            {
+                "name": self.name,
+                "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                **self._options(),
+            }
+        )
+
+    def _options(self):
+        return {"exclude": list(self.exclude)}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = without_hint(config)
+        optimizer = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(optimizer, **cls._deserialize_options(config, custom_objects))
+
+    @classmethod
+    def _deserialize_options(cls, config, custom_objects):
+        return config
+
+
+_PROXIMAL_TYPES = (regularizers.L1, regularizers.L2, regularizers.ElasticNet)
+
+
+def _check_proximal(regularizer):
+    if not isinstance(regularizer, _PROXIMAL_TYPES):
+        raise ValueError(
+            "`regularizer` must be a keras_penalties.regularizers L1, L2 or ElasticNet "
+            f"(penalties with a closed-form proximal step); got {regularizer!r}."
+        )
+    if isinstance(regularizer, regularizers.L2) and regularizer.clip is not None:
+        raise ValueError(
+            f"`regularizer`: L2 with `clip` has no closed-form proximal step; got {regularizer!r}. "
+            "Use L2 without clip, or keep it as a coupled kernel_regularizer=."
+        )
+    return regularizer
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class ProximalDecay(_Wrapper):
+    """Decoupled L1 / L2 / elastic-net decay: v ← prox_{η_t·R}(v) after each update.
+
+    The exact proximal step of R = `regularizer` (a `keras_penalties.regularizers`
+    `L1`, `L2` or `ElasticNet`, with the `factor` it would have as a coupled
+    `kernel_regularizer=`), scaled by the inner optimizer's current learning
+    rate η_t:
+
+    - `L1(f)`: v ← sign(v)·max(|v| − η_t·f, 0) (soft thresholding);
+    - `L2(f, center=c)`: v ← c + (v − c)/(1 + 2η_t·f); `center="mean"` uses
+      the variable's own mean after the update;
+    - `ElasticNet(f, α)`: the L1 step at f·α, then the L2 step at f·(1 − α).
+
+    With SGD this is the proximal-gradient method (ISTA) and, to first order
+    in η, the same as the coupled penalty. With Adam it is not: Adam divides a
+    coupled penalty's gradient by its running RMS, so every weight moves by
+    about η a step whatever the penalty, and the L1 pull never lands on 0.
+    Here the threshold η_t·f is in weight units: with Adam, whose steps are
+    about η whatever the gradient, a weight is zeroed once its updates stop
+    outpacing η_t·f a step, so useful factors are well below 1 (a fraction of
+    the typical update, e.g. 0.01–0.3). A step the inner optimizer skips (a
+    `LossScaleOptimizer` on non-finite gradients, gradient accumulation)
+    applies no decay either.
+
+    Args:
+        optimizer: the inner `keras.optimizers.Optimizer` (or its name).
+        regularizer: `L1`, `L2` (without `clip`) or `ElasticNet`.
+        exclude: strings; a variable whose `path` contains one is not decayed.
+        name: the optimizer's name.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_penalties.optimizers import ProximalDecay
+    >>> from keras_penalties.regularizers import L1
+    >>> w = keras.Variable([0.5, -0.05, 2.0])
+    >>> opt = ProximalDecay(keras.optimizers.SGD(0.1), L1(1.0))
+    >>> opt.apply([keras.ops.zeros(3)], [w])  # threshold 0.1 · 1.0
+    >>> [round(float(x), 6) for x in w.numpy()]
+    [0.4, 0.0, 1.9]
+    """
+
+    def __init__(self, optimizer, regularizer, *, exclude=None, name=None):
+        regularizer = _check_proximal(regularizer)
+        super().__init__(optimizer, exclude=exclude, name=name)
+        self.regularizer = regularizer
+
+    def _prox(self, value, eta):
+        reg = self.regularizer
+        step = eta * reg.factor
+        if isinstance(reg, regularizers.L1):
+            return magnitude.l1_prox(value, step)
+        if isinstance(reg, regularizers.L2):
+            return magnitude.l2_prox(value, step, reg.center)
+        return magnitude.elastic_net_prox(value, step, reg.l1_ratio)
+
+    def _apply(self, grads, variables):
+        iterations = self.inner_optimizer.iterations
+        eta = ops.cast(self.inner_optimizer.learning_rate, "float32")
+        before = ops.copy(iterations)
+        self._inner_apply(grads, variables)
+        # No decay on a step the inner optimizer skipped.
+        eta = eta * ops.cast(ops.greater(iterations, before), "float32")
+        for grad, variable in zip(grads, variables):
+            if grad is not None and self._included(variable):
+                variable.assign(self._prox(variable.value, eta))
+
+    def _options(self):
+        return {"regularizer": keras.saving.serialize_keras_object(self.regularizer), **super()._options()}
+
+    @classmethod
+    def _deserialize_options(cls, config, custom_objects):
+        regularizer = keras.saving.deserialize_keras_object(config.pop("regularizer"), custom_objects=custom_objects)
+        return {"regularizer": regularizer, **config}
+
+
+class _GradientTransform(_Wrapper):
+    """Maps each gradient (with its variable) before the inner optimizer runs."""
+
+    def _apply(self, grads, variables):
+        # Under tf.distribute each replica holds its part of the gradient and
+        # the inner optimizer sums them: a nonlinear transform must see the
+        # whole gradient, and hands each replica an equal share of the result.
+        replicas = backend.replicas_in_sync()
+        if replicas > 1:
+            grads = backend.sum_over_replicas(grads)
+        grads = self._transform_all(grads, variables)
+        if replicas > 1:
+            grads = [None if g is None else g / replicas for g in grads]
+        self._inner_apply(grads, variables)
+
+    def _transform_all(self, grads, variables):
+        return [
+            g if g is None or not self._included(v) else self._transform(g, v)
+            for g, v in zip(grads, variables)
+        ]
+
+
+def _axes_but_last(x):
+    return tuple(range(len(x.shape) - 1))
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class GradientNoise(_GradientTransform):
+    """Annealed Gaussian gradient noise: g ← g + N(0, σ_t²), σ_t = stddev·(1 + t)^(−decay/2).
+
+    Neelakantan et al. (2015), "Adding Gradient Noise Improves Learning for
+    Very Deep Networks" (they anneal the variance η/(1 + t)^γ, γ = 0.55; here
+    σ₀ = `stddev`). t is the inner optimizer's `iterations` before the step.
+    Noise is independent per variable and per step, drawn from a
+    `keras.random.SeedGenerator` whose state is an optimizer variable: an int
+    `seed` makes runs reproducible, also under `jit`, and the state is saved.
+
+    Args:
+        optimizer: the inner `keras.optimizers.Optimizer` (or its name).
+        stddev: σ₀ ≥ 0.
+        decay: the exponent γ ≥ 0 of the variance's decay.
+        seed: `None` or an int.
+        name: the optimizer's name.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_penalties.optimizers import GradientNoise
+    >>> opt = GradientNoise(keras.optimizers.SGD(1.0), stddev=0.0)
+    >>> w = keras.Variable([1.0, 2.0])
+    >>> opt.apply([keras.ops.ones(2)], [w])  # σ = 0: plain SGD
+    >>> w.numpy().tolist()
+    [0.0, 1.0]
+    """
+
+    def __init__(self, optimizer, *, stddev=0.01, decay=0.55, seed=None, name=None):
+        stddev = num.non_negative("stddev", stddev)
+        decay = num.non_negative("decay", decay)
+        seed = None if seed is None else num.integer("seed", seed)
+        super().__init__(optimizer, name=name)
+        self.stddev, self.decay, self.seed = stddev, decay, seed
+
+    def _build_own(self, var_list):
+        with keras.name_scope(self.name, caller=self):
+            self._seed_generator = keras.random.SeedGenerator(self.seed, name="noise_seed")
+        self._track_variable(self._seed_generator.state)
+
+    def _transform_all(self, grads, variables):
+        t = ops.cast(self.inner_optimizer.iterations, "float32")
+        sigma = self.stddev * ops.power(1.0 + t, -self.decay / 2.0)
+        return [
+            g if g is None else g + ops.cast(sigma, g.dtype) * keras.random.normal(
+                ops.shape(g), dtype=g.dtype, seed=self._seed_generator
+            )
+            for g in grads
+        ]
+
+    def _options(self):
+        return {"stddev": self.stddev, "decay": self.decay, "seed": self.seed}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class AdaptiveGradientClipping(_GradientTransform):
+    """Unit-wise adaptive gradient clipping: g ← g·min(1, λ·max(‖w‖, ε)/‖g‖).
+
+    Brock et al. (2021), "High-Performance Large-Scale Image Recognition
+    Without Normalization". Norms are per unit: over every axis but the last
+    (a Dense kernel's column, a Conv kernel's filter), and over the whole
+    tensor for rank ≤ 1. A unit whose gradient norm is 0 is left unchanged.
+    w is the variable before the update.
+
+    Args:
+        optimizer: the inner `keras.optimizers.Optimizer` (or its name).
+        clip_factor: λ ≥ 0.
+        eps: ε ≥ 0, the smallest weight norm a unit is credited with.
+        exclude: strings; a variable whose `path` contains one is not clipped
+            (the paper leaves the final classifier layer alone).
+        name: the optimizer's name.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_penalties.optimizers import AdaptiveGradientClipping
+    >>> opt = AdaptiveGradientClipping(keras.optimizers.SGD(1.0), clip_factor=0.1)
+    >>> w = keras.Variable([3.0, 4.0])  # ‖w‖ = 5: gradients clipped to norm 0.5
+    >>> opt.apply([keras.ops.convert_to_tensor([0.0, 10.0])], [w])
+    >>> [round(float(x), 6) for x in w.numpy()]
+    [3.0, 3.5]
+    """
+
+    def __init__(self, optimizer, *, clip_factor=0.01, eps=1e-3, exclude=None, name=None):
+        clip_factor = num.non_negative("clip_factor", clip_factor)
+        eps = num.non_negative("eps", eps)
+        super().__init__(optimizer, exclude=exclude, name=name)
+        self.clip_factor, self.eps = clip_factor, eps
+
+    def _transform(self, grad, variable):
+        axes = _axes_but_last(grad) if len(grad.shape) > 1 else None
+        w = ops.cast(variable.value, "float32")
+        g = ops.cast(grad, "float32")
+        w_norm = ops.sqrt(ops.sum(ops.square(w), axis=axes, keepdims=True))
+        g_norm = ops.sqrt(ops.sum(ops.square(g), axis=axes, keepdims=True))
+        limit = self.clip_factor * ops.maximum(w_norm, self.eps)
+        # Where g_norm ≤ limit (g = 0 included) the factor is exactly 1.
+        scale = ops.where(g_norm > limit, limit / ops.maximum(g_norm, limit), 1.0)
+        return ops.cast(g * scale, grad.dtype)
+
+    def _options(self):
+        return {"clip_factor": self.clip_factor, "eps": self.eps, **super()._options()}
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class GradientCentralization(_GradientTransform):
+    """Gradient centralization: g ← g − mean of g over every axis but the last (rank ≥ 2).
+
+    Yong et al. (2020), "Gradient Centralization: A New Optimization Technique
+    for Deep Neural Networks". Each output unit's gradient (a Dense kernel's
+    column, a Conv kernel's filter) gets mean 0; biases and other rank ≤ 1
+    variables are unchanged.
+
+    Args:
+        optimizer: the inner `keras.optimizers.Optimizer` (or its name).
+        exclude: strings; a variable whose `path` contains one is not centralized.
+        name: the optimizer's name.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_penalties.optimizers import GradientCentralization
+    >>> opt = GradientCentralization(keras.optimizers.SGD(1.0))
+    >>> w = keras.Variable(keras.ops.zeros((2, 1)))
+    >>> opt.apply([keras.ops.convert_to_tensor([[1.0], [3.0]])], [w])  # column mean 2
+    >>> w.numpy().ravel().tolist()
+    [1.0, -1.0]
+    """
+
+    def __init__(self, optimizer, *, exclude=None, name=None):
+        super().__init__(optimizer, exclude=exclude, name=name)
+
+    def _transform(self, grad, variable):
+        if len(grad.shape) < 2:
+            return grad
+        return grad - ops.mean(grad, axis=_axes_but_last(grad), keepdims=True)
+
+
+__all__ = ["ProximalDecay", "GradientNoise", "AdaptiveGradientClipping", "GradientCentralization"]
