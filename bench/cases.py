@@ -12,6 +12,7 @@ from bench import native
 from keras_penalties import CompositeObjective, Term
 from keras_penalties import losses as L
 from keras_penalties import ops as P
+from keras_penalties import optimizers as O
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 from keras_penalties.gradients import interpolated_gradient_penalty
@@ -245,4 +246,43 @@ GP_CASES = [
     Case("same critic step without GP (fit overhead)", "hand-written native step", "reported", functools.partial(build_gp, gp_weight=0.0)),
 ]
 
-CASES = FIT_CASES + GP_CASES + DIVERGENCE_CASES + NORM_CASES
+# ---------------------------------------------------------------- optimizer wrappers
+
+
+def plain_mlp(optimizer, seed=0):
+    """784-512-512-10 with no penalties: the step is the optimizer's and the layers'."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((784,))
+    h = keras.layers.Dense(512, activation="relu")(inputs)
+    h = keras.layers.Dense(512, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+WRAPPERS = {
+    "ProximalDecay(L1)": lambda inner: O.ProximalDecay(inner, R.L1(0.1)),
+    "ProximalDecay(ElasticNet)": lambda inner: O.ProximalDecay(inner, R.ElasticNet(0.1)),
+    "GradientNoise": lambda inner: O.GradientNoise(inner, seed=0),
+    "AdaptiveGradientClipping": lambda inner: O.AdaptiveGradientClipping(inner),
+    "GradientCentralization": lambda inner: O.GradientCentralization(inner),
+}
+
+
+def _wrapped_fit(wrap):
+    def build(small):
+        steps = 5 if small else 100
+        x, y, batch = _data(small, steps)
+        ours = plain_mlp(wrap(keras.optimizers.Adam(1e-3)))
+        reference = plain_mlp(keras.optimizers.Adam(1e-3))
+        return {"ours": _fit(ours, x, y, batch), "reference": _fit(reference, x, y, batch), "per": steps}
+
+    return build
+
+
+OPTIMIZER_CASES = [
+    Case(f"fit step, MLP + Adam in {name}", "the same fit with bare Adam", "time ≤ 1.05", _wrapped_fit(wrap), 1.05)
+    for name, wrap in WRAPPERS.items()
+]
+
+CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + NORM_CASES

@@ -206,12 +206,14 @@ class ProximalDecay(_Wrapper):
     in η, the same as the coupled penalty. With Adam it is not: Adam divides a
     coupled penalty's gradient by its running RMS, so every weight moves by
     about η a step whatever the penalty, and the L1 pull never lands on 0.
-    Here the threshold η_t·f is in weight units: with Adam, whose steps are
-    about η whatever the gradient, a weight is zeroed once its updates stop
-    outpacing η_t·f a step, so useful factors are well below 1 (a fraction of
-    the typical update, e.g. 0.01–0.3). A step the inner optimizer skips (a
-    `LossScaleOptimizer` on non-finite gradients, gradient accumulation)
-    applies no decay either.
+    Here the threshold η_t·f is in weight units, while Adam moves a weight
+    by η_t·m̂/(√v̂ + ε), about η_t whatever the gradient's scale: a weight
+    settles at exactly 0 when |m̂|/√v̂ < f, that is when its minibatch
+    gradients mostly cancel. Useful factors are therefore fractions below 1
+    (0.05–0.5), not the 1e-4 of a coupled L1 on a loss; f ≥ 1 zeroes every
+    weight. A step the inner optimizer skips (a `LossScaleOptimizer` on
+    non-finite gradients) or only accumulates (`gradient_accumulation_steps`)
+    applies no decay.
 
     Args:
         optimizer: the inner `keras.optimizers.Optimizer` (or its name).
@@ -246,12 +248,14 @@ class ProximalDecay(_Wrapper):
         return magnitude.elastic_net_prox(value, step, reg.l1_ratio)
 
     def _apply(self, grads, variables):
-        iterations = self.inner_optimizer.iterations
         eta = ops.cast(self.inner_optimizer.learning_rate, "float32")
-        before = ops.copy(iterations)
+        # A copy: torch's variable is updated in place.
+        before = ops.copy(self.inner_optimizer.iterations)
         self._inner_apply(grads, variables)
-        # No decay on a step the inner optimizer skipped.
-        eta = eta * ops.cast(ops.greater(iterations, before), "float32")
+        # No decay on a step the inner optimizer skipped (LossScaleOptimizer
+        # on non-finite gradients) or only accumulated (gradient_accumulation_steps).
+        stepped = ops.greater(self.inner_optimizer.iterations, before)
+        eta = eta * ops.cast(stepped, "float32")
         for grad, variable in zip(grads, variables):
             if grad is not None and self._included(variable):
                 variable.assign(self._prox(variable.value, eta))
@@ -285,6 +289,9 @@ class _GradientTransform(_Wrapper):
             g if g is None or not self._included(v) else self._transform(g, v)
             for g, v in zip(grads, variables)
         ]
+
+
+_TINY = 1e-30  # below any gradient norm that matters, above float32's smallest normal
 
 
 def _axes_but_last(x):
@@ -382,14 +389,19 @@ class AdaptiveGradientClipping(_GradientTransform):
         self.clip_factor, self.eps = clip_factor, eps
 
     def _transform(self, grad, variable):
-        axes = _axes_but_last(grad) if len(grad.shape) > 1 else None
-        w = ops.cast(variable.value, "float32")
-        g = ops.cast(grad, "float32")
-        w_norm = ops.sqrt(ops.sum(ops.square(w), axis=axes, keepdims=True))
-        g_norm = ops.sqrt(ops.sum(ops.square(g), axis=axes, keepdims=True))
+        w, g = variable.value, grad
+        if num.is_half(g.dtype) or num.is_half(w.dtype):
+            w, g = ops.cast(w, "float32"), ops.cast(g, "float32")
+        if len(g.shape) > 1:
+            # Unit norms as one reduction over a [fan-in, units] view.
+            units = g.shape[-1]
+            w_norm = ops.norm(ops.reshape(w, (-1, units)), axis=0)
+            g_norm = ops.norm(ops.reshape(g, (-1, units)), axis=0)
+        else:
+            w_norm, g_norm = ops.norm(ops.reshape(w, (-1,))), ops.norm(ops.reshape(g, (-1,)))
         limit = self.clip_factor * ops.maximum(w_norm, self.eps)
-        # Where g_norm ≤ limit (g = 0 included) the factor is exactly 1.
-        scale = ops.where(g_norm > limit, limit / ops.maximum(g_norm, limit), 1.0)
+        # min(1, limit/‖g‖), and 1 for a zero gradient (no 0/0).
+        scale = ops.minimum(1.0, limit / ops.maximum(g_norm, _TINY))
         return ops.cast(g * scale, grad.dtype)
 
     def _options(self):

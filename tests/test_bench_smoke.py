@@ -39,3 +39,13 @@ def test_the_summary_table_has_a_row_per_committed_case():
     text = summary.table()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
     assert [row.split(" | ")[0][2:] for row in rows] == [case.name for case in run.CASES]
+
+
+def test_sparse_recovery_runs_at_tiny_size():
+    from bench import sparse_recovery
+
+    rows = sparse_recovery.run(epochs=1, small=True)
+    assert [r["setup"] for r in rows] == [s for s, variants in sparse_recovery.SETUPS.items() for _ in variants]
+    for r in rows:
+        assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["recall"] <= 1.0 and r["steps"] == 7
+    assert sparse_recovery.markdown(rows, 1).startswith("# Sparse recovery")

@@ -257,6 +257,15 @@ def test_steps_skipped_by_inner_loss_scaling_apply_no_decay():
     np.testing.assert_allclose(to_numpy(model.layers[0].kernel), expected, rtol=2e-2, atol=2e-2)
 
 
+def test_gradient_accumulation_decays_once_per_real_step():
+    opt = ProximalDecay(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), R.L1(1.0))
+    w = keras.Variable([0.5, -0.05, 2.0])
+    opt.apply([ops.zeros(3)], [w])  # accumulated only
+    np.testing.assert_array_equal(to_numpy(w), np.float32([0.5, -0.05, 2.0]))
+    opt.apply([ops.zeros(3)], [w])  # the update: threshold 0.1
+    np.testing.assert_allclose(to_numpy(w), [0.4, 0.0, 1.9], rtol=1e-6)
+
+
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow optimizers have no stateless_apply (tf.distribute)")
 @pytest.mark.parametrize("wrapper", ["prox_l2_mean", "agc", "gc"])
 def test_stateless_apply_equals_apply(wrapper):
