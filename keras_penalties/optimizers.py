@@ -340,6 +340,8 @@ class GradientNoise(_GradientTransform):
         self._track_variable(self._seed_generator.state)
 
     def _transform_all(self, grads, variables):
+        if self.stddev == 0.0:
+            return grads
         t = ops.cast(self.inner_optimizer.iterations, "float32")
         sigma = self.stddev * ops.power(1.0 + t, -self.decay / 2.0)
         return [

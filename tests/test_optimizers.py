@@ -196,15 +196,21 @@ def test_fit_matches_closed_form(case):
 
 
 @pytest.mark.parametrize(
-    "policy, placement",
-    [("mixed_float16", "outside"), ("mixed_float16", "inside"), ("mixed_bfloat16", "outside")],
+    "wrapper, policy, placement",
+    [
+        ("prox_l1", "mixed_float16", "outside"),
+        ("prox_l1", "mixed_float16", "inside"),
+        ("prox_l1", "mixed_bfloat16", "outside"),
+        ("agc", "mixed_float16", "outside"),
+        ("gc", "mixed_bfloat16", "outside"),
+    ],
 )
-def test_fit_under_mixed_precision(policy, placement):
+def test_fit_under_mixed_precision(wrapper, policy, placement):
     """Loss scaling outside (Keras wraps the compiled optimizer) or inside
-    (compile with auto_scale_loss=False): the gradient reaches the prox
+    (compile with auto_scale_loss=False): the gradient reaches the wrapper
     unscaled once, and the result is the float32 closed form up to half
     precision rounding of the forward pass."""
-    make, transform, post = WRAPPERS["prox_l1"]
+    make, transform, post = WRAPPERS[wrapper]
     keras.mixed_precision.set_global_policy(policy)
     # A small initial loss scale, so that no step overflows in float16 and is
     # skipped: the oracle takes every step.
