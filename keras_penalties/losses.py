@@ -110,6 +110,10 @@ class KLDivergence(_PenaltyLoss):
 class JSDivergence(_PenaltyLoss):
     """Jensen-Shannon divergence between y_true and y_pred: symmetric, in [0, ln 2].
 
+    `beta` in (0, 1) gives the generalized JSD of on-policy distillation,
+    β·KL(y_true‖m) + (1 − β)·KL(y_pred‖m), m = β·y_true + (1 − β)·y_pred
+    (`ops.js_divergence`).
+
     Example:
 
     >>> from keras_penalties.losses import JSDivergence
@@ -123,13 +127,14 @@ class JSDivergence(_PenaltyLoss):
         self,
         from_logits=False,
         temperature=1.0,
+        beta=0.5,
         axis=-1,
         reduction="sum_over_batch_size",
         name="js_divergence",
         dtype=None,
     ):
         super().__init__(
-            reduction, name, dtype, from_logits=from_logits, temperature=temperature, axis=axis
+            reduction, name, dtype, from_logits=from_logits, temperature=temperature, beta=beta, axis=axis
         )
 
 

@@ -67,9 +67,12 @@ def np_kl_divergence(p, q, from_logits=False, direction="forward", temperature=1
     return _reduce(values, reduction)
 
 
-def np_js_divergence(p, q, from_logits=False, temperature=1.0, axis=-1, reduction="mean"):
+def np_js_divergence(p, q, from_logits=False, temperature=1.0, axis=-1, reduction="mean", beta=0.5):
     p, q = _dist(p, from_logits, temperature, axis), _dist(q, from_logits, temperature, axis)
-    return _reduce(distance.jensenshannon(p, q, axis=axis) ** 2, reduction)
+    if beta == 0.5:
+        return _reduce(distance.jensenshannon(p, q, axis=axis) ** 2, reduction)
+    m = beta * p + (1 - beta) * q  # the generalized JSD (Agarwal et al., 2024)
+    return _reduce(beta * _kl(p, m, axis) + (1 - beta) * _kl(q, m, axis), reduction)
 
 
 def np_entropy(x, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean"):
@@ -225,6 +228,10 @@ def _cases():
         yield from (
             Case("js_divergence", P.js_divergence, np_js_divergence, kind, dict(from_logits=from_logits, **o))
             for o in _grid(temperature=[1.0, 0.5], reduction=div_reductions, axis=[None, 1])
+        )
+        yield from (
+            Case("js_divergence", P.js_divergence, np_js_divergence, kind, dict(from_logits=from_logits, **o))
+            for o in _grid(beta=[0.1, 0.9], temperature=[1.0, 0.5], reduction=["mean", "none"])
         )
         kind1 = "logits" if from_logits else "probs"
         yield from (

@@ -32,6 +32,11 @@ LOSSES = {
         lambda t, p: O.np_kl_divergence(t, p, direction="symmetric", reduction="none"),
     ),
     "js_logits": (L.JSDivergence(from_logits=True), "logits2", lambda t, p: O.np_js_divergence(t, p, True, reduction="none")),
+    "js_beta_logits": (
+        L.JSDivergence(from_logits=True, beta=0.2),
+        "logits2",
+        lambda t, p: O.np_js_divergence(t, p, True, reduction="none", beta=0.2),
+    ),
     "entropy": (L.Entropy(), "probs2", lambda t, p: _entropy_per_sample(p)),
     "entropy_bonus": (
         L.Entropy(from_logits=True, mode="bonus", normalize=True, temperature=0.5),

@@ -62,6 +62,8 @@ EDGE_CASES = {
     "js_probs": (lambda p, q: P.js_divergence(p, q), ZERO_PROBS, OTHER_PROBS),
     "js_probs_T": (lambda p, q: P.js_divergence(p, q, temperature=2.0), ZERO_PROBS, OTHER_PROBS),
     "js_logits": (lambda p, q: P.js_divergence(p, q, from_logits=True), BIG_LOGITS, OTHER_LOGITS),
+    "js_beta_probs": (lambda p, q: P.js_divergence(p, q, beta=0.1), ZERO_PROBS, OTHER_PROBS),
+    "js_beta_logits": (lambda p, q: P.js_divergence(p, q, from_logits=True, beta=0.9), BIG_LOGITS, OTHER_LOGITS),
     "entropy_probs": (lambda x: P.entropy(x), ZERO_PROBS),
     "entropy_probs_normalized_T": (lambda x: P.entropy(x, normalize=True, temperature=0.5), ZERO_PROBS),
     "entropy_logits": (lambda x: P.entropy(x, from_logits=True), BIG_LOGITS),

@@ -41,7 +41,7 @@ def _model():
     model.compile(
         optimizer="adam",
         loss={
-            "logits": L.JSDivergence(from_logits=True, temperature=2.0),
+            "logits": L.JSDivergence(from_logits=True, temperature=2.0, beta=0.3),
             "magnitude": L.Entropy(from_logits=True, mode="penalty"),
         },
     )

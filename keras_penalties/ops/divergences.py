@@ -99,32 +99,57 @@ def kl_divergence(
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
-def _js_values(p, q, *, from_logits, temperature, axis):
+def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
-    # m = (p + q) / 2 is as exact as p and q, and log(m + tiny) is the
+    # m = βp + (1 − β)q is as exact as p and q, and log(m + tiny) is the
     # cheapest log m: a logaddexp of the logs, or a select, keeps XLA from
     # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
     # instead of none). Where both underflow, m = 0 and log m is finite.
-    logm = num.floored_log(0.5 * (p + q))
-    return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
+    if beta == 0.5:
+        logm = num.floored_log(0.5 * (p + q))
+        return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
+    logm = num.floored_log(beta * p + (1.0 - beta) * q)
+    return beta * _kl_from_log(p, logp, logm, axis) + (1.0 - beta) * _kl_from_log(q, logq, logm, axis)
 
 
-@num.options(**_DISTRIBUTION_OPTIONS)
-def js_divergence(p, q, *, from_logits=False, temperature=1.0, axis=-1, reduction="mean"):
-    """Jensen-Shannon divergence: ½KL(p‖m) + ½KL(q‖m), m = (p + q)/2.
+def _beta(name, value):
+    value = num.number(name, value)
+    if value == 0.0 or value == 1.0:
+        raise ValueError(
+            f"`{name}` must lie strictly between 0 and 1; got {value!r}. The generalized "
+            "JS divergence vanishes at both ends (to first order it is β·KL(p‖q) near 0 "
+            "and (1 − β)·KL(q‖p) near 1): use kl_divergence(direction='forward' or "
+            "'reverse') instead."
+        )
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"`{name}` must lie strictly between 0 and 1; got {value!r}.")
+    return value
 
-    Symmetric, in nats, so 0 ≤ JS ≤ ln 2. Arguments as in `kl_divergence`.
+
+@num.options(beta=_beta, **_DISTRIBUTION_OPTIONS)
+def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean"):
+    """Generalized Jensen-Shannon divergence: β·KL(p‖m) + (1 − β)·KL(q‖m), m = βp + (1 − β)q.
+
+    At β = ½ (the default) it is the JS divergence: symmetric, in nats,
+    0 ≤ JS ≤ ln 2. Other β give the generalized JSD of on-policy
+    distillation (Agarwal et al., 2024, "On-Policy Distillation of Language
+    Models"), which leans towards β·KL(p‖q) as β → 0 and (1 − β)·KL(q‖p) as
+    β → 1; β must lie strictly inside (0, 1), since the divergence vanishes at
+    both ends (use `kl_divergence` there). Other arguments as in
+    `kl_divergence`.
 
     Example:
 
     >>> from keras_penalties import ops as P
     >>> round(float(P.js_divergence([1.0, 0.0], [0.0, 1.0])), 6)  # ln 2
     0.693147
+    >>> round(float(P.js_divergence([1.0, 0.0], [0.0, 1.0], beta=0.25)), 6)  # −.25 ln .25 − .75 ln .75
+    0.562335
     """
     p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
-    values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis)
+    values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis, beta=beta)
     return num.from_compute(num.reduce(values, reduction), dtype)
 
 
