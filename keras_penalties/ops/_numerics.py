@@ -320,3 +320,33 @@ def reduce(values, reduction):
     if reduction == "none":
         return values
     return scale_sum(ops.sum(values), values, reduction)
+
+
+def sample_mask(mask, x, axis):
+    """`mask` as a bool tensor of x's per-sample shape (x's shape without
+    `axis`), nonzero meaning kept; None stays None."""
+    if mask is None:
+        return None
+    mask = ops.convert_to_tensor(mask)
+    expected = tuple(d for i, d in enumerate(x.shape) if i != axis)
+    got = tuple(mask.shape)
+    if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+        raise ValueError(
+            f"`mask` must have the per-sample shape {expected} (the input's shape without "
+            f"`axis`); got {got}."
+        )
+    return ops.cast(mask, "bool")
+
+
+def masked_reduce(values, mask, reduction):
+    """`reduce` over the kept samples only: masked ones are 0 in the value and
+    the gradient, and `"mean"` divides by the number kept (0 when none is)."""
+    if mask is None:
+        return reduce(values, reduction)
+    values = ops.where(mask, values, ops.zeros_like(values))
+    if reduction == "none":
+        return values
+    total = ops.sum(values)
+    if reduction == "sum":
+        return total
+    return total / ops.maximum(ops.sum(ops.cast(mask, total.dtype)), 1.0)

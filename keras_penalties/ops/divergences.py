@@ -59,6 +59,7 @@ def kl_divergence(
     temperature=1.0,
     axis=-1,
     reduction="mean",
+    mask=None,
 ):
     """Kullback-Leibler divergence between two distributions along `axis`.
 
@@ -75,14 +76,22 @@ def kl_divergence(
         axis: the distribution axis.
         reduction: `"mean"` (default) or `"sum"` over the remaining axes, or
             `"none"` for the per-sample values.
+        mask: None, or a tensor of the per-sample shape (the inputs' shape
+            without `axis`), nonzero where a position counts (e.g. 0 for
+            padding and prompt tokens). Masked positions add nothing to the
+            value or the gradient; `"mean"` divides by the number kept (0 when
+            none is); with `"none"` they are 0.
 
     Example:
 
     >>> from keras_penalties import ops as P
     >>> round(float(P.kl_divergence([0.5, 0.5], [0.25, 0.75])), 6)  # ½ln2 + ½ln(2/3)
     0.143841
+    >>> float(P.kl_divergence([[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]], mask=[0, 1]))
+    0.0
     """
     p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
+    mask = num.sample_mask(mask, p, axis)
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     # Only the weighting distribution is needed as probabilities: forming the
     # other would cost a pass over the tensor outside jit.
@@ -96,7 +105,7 @@ def kl_divergence(
         p, logp = num.probs_and_log_probs(p, **kw)
         q, logq = num.probs_and_log_probs(q, **kw)
         values = 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
 def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
@@ -129,7 +138,7 @@ def _beta(name, value):
 
 
 @num.options(beta=_beta, **_DISTRIBUTION_OPTIONS)
-def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean"):
+def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean", mask=None):
     """Generalized Jensen-Shannon divergence: β·KL(p‖m) + (1 − β)·KL(q‖m), m = βp + (1 − β)q.
 
     At β = ½ (the default) it is the JS divergence: symmetric, in nats,
@@ -137,8 +146,8 @@ def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1
     distillation (Agarwal et al., 2024, "On-Policy Distillation of Language
     Models"), which leans towards β·KL(p‖q) as β → 0 and (1 − β)·KL(q‖p) as
     β → 1; β must lie strictly inside (0, 1), since the divergence vanishes at
-    both ends (use `kl_divergence` there). Other arguments as in
-    `kl_divergence`.
+    both ends (use `kl_divergence` there). Other arguments, `mask` included,
+    as in `kl_divergence`.
 
     Example:
 
@@ -149,12 +158,13 @@ def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1
     0.562335
     """
     p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
+    mask = num.sample_mask(mask, p, axis)
     values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis, beta=beta)
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
 @num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS)
-def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean"):
+def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean", mask=None):
     """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
 
     Args:
@@ -166,6 +176,8 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
         axis: the distribution axis.
         reduction: `"mean"` (default), `"sum"` or `"none"` over the remaining
             axes.
+        mask: None, or the per-sample positions that count (as in
+            `kl_divergence`).
 
     Example:
 
@@ -178,6 +190,7 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     (x,), dtype = num.to_compute(x)
     num.check_rank("x", x, 1, _NO_AXIS)
     axis = num.check_axis("axis", axis, len(x.shape))
+    mask = num.sample_mask(mask, x, axis)
     p, logp = num.probs_and_log_probs(
         x, from_logits=from_logits, temperature=temperature, axis=axis
     )
@@ -186,7 +199,7 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
         # A one-class axis has H = 0; dividing by ln 1 = 0 would make it NaN.
         log_k = ops.log(ops.cast(ops.shape(x)[axis], values.dtype))
         values = ops.where(log_k > 0, values / ops.where(log_k > 0, log_k, 1.0), 0.0)
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
 @num.options(
