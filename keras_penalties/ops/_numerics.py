@@ -344,9 +344,7 @@ def masked_reduce(values, mask, reduction):
     if mask is None:
         return reduce(values, reduction)
     values = ops.where(mask, values, ops.zeros_like(values))
-    if reduction == "none":
-        return values
+    if reduction != "mean":
+        return reduce(values, reduction)
     total = ops.sum(values)
-    if reduction == "sum":
-        return total
-    return total / ops.maximum(ops.sum(ops.cast(mask, total.dtype)), 1.0)
+    return total / at_least_one(ops.sum(ops.cast(mask, total.dtype)))

@@ -116,9 +116,6 @@ def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
     # cheapest log m: a logaddexp of the logs, or a select, keeps XLA from
     # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
     # instead of none). Where both underflow, m = 0 and log m is finite.
-    if beta == 0.5:
-        logm = num.floored_log(0.5 * (p + q))
-        return 0.5 * (_kl_from_log(p, logp, logm, axis) + _kl_from_log(q, logq, logm, axis))
     logm = num.floored_log(beta * p + (1.0 - beta) * q)
     return beta * _kl_from_log(p, logp, logm, axis) + (1.0 - beta) * _kl_from_log(q, logq, logm, axis)
 
