@@ -75,6 +75,14 @@ class KLDivergence(_PenaltyLoss):
         temperature: T > 0 applied to both (distillation temperature).
         axis: the class axis.
         reduction, name, dtype: as for any `keras.losses.Loss`.
+        chunk_size: None, or rows per rematerialised chunk for LLM-sized
+            logits (`ops.kl_divergence`).
+
+    A token mask is Keras' own: a `y_pred` carrying a Keras mask (from
+    `Embedding(mask_zero=True)` or `Masking`) counts its kept positions only,
+    and "sum_over_batch_size" divides by their number. A `sample_weight` of
+    0/1 per token zeroes the masked positions but still divides by all of them
+    (Keras' convention for sample weights).
 
     Example:
 
@@ -94,6 +102,7 @@ class KLDivergence(_PenaltyLoss):
         reduction="sum_over_batch_size",
         name="kl_divergence",
         dtype=None,
+        chunk_size=None,
     ):
         super().__init__(
             reduction,
@@ -103,6 +112,7 @@ class KLDivergence(_PenaltyLoss):
             direction=direction,
             temperature=temperature,
             axis=axis,
+            chunk_size=chunk_size,
         )
 
 
@@ -112,7 +122,7 @@ class JSDivergence(_PenaltyLoss):
 
     `beta` in (0, 1) gives the generalized JSD of on-policy distillation,
     β·KL(y_true‖m) + (1 − β)·KL(y_pred‖m), m = β·y_true + (1 − β)·y_pred
-    (`ops.js_divergence`).
+    (`ops.js_divergence`). `chunk_size` and masks as in `KLDivergence`.
 
     Example:
 
@@ -132,9 +142,17 @@ class JSDivergence(_PenaltyLoss):
         reduction="sum_over_batch_size",
         name="js_divergence",
         dtype=None,
+        chunk_size=None,
     ):
         super().__init__(
-            reduction, name, dtype, from_logits=from_logits, temperature=temperature, beta=beta, axis=axis
+            reduction,
+            name,
+            dtype,
+            from_logits=from_logits,
+            temperature=temperature,
+            beta=beta,
+            axis=axis,
+            chunk_size=chunk_size,
         )
 
 
@@ -144,7 +162,7 @@ class Entropy(_PenaltyLoss):
 
     `mode="penalty"`: +H (confidence, e.g. entropy minimisation on unlabeled
     data); `mode="bonus"`: −H (exploration bonus). Usually one term of a
-    `CompositeLoss`.
+    `CompositeLoss`. `chunk_size` and masks as in `KLDivergence`.
 
     Example:
 
@@ -167,6 +185,7 @@ class Entropy(_PenaltyLoss):
         reduction="sum_over_batch_size",
         name="entropy",
         dtype=None,
+        chunk_size=None,
     ):
         self.mode = check_entropy_mode("mode", mode)
         super().__init__(
@@ -177,6 +196,7 @@ class Entropy(_PenaltyLoss):
             normalize=normalize,
             temperature=temperature,
             axis=axis,
+            chunk_size=chunk_size,
         )
 
     def __call__(self, y_true, y_pred, sample_weight=None):

@@ -125,7 +125,10 @@ class Term:
             (y_true, y_pred). `None`: the single tensor (or all list entries).
         enabled: whether the term counts in the total.
         options: keyword options for the penalty; checked now for ops
-            functions.
+            functions. The `mask` option of `kl_divergence`,
+            `js_divergence` and `entropy` names an input (a dict key or a
+            list position, like `inputs`): the token mask fed beside the
+            tensors, e.g. `options={"from_logits": True, "mask": "mask"}`.
 
     A Regularizer term contributes what it would as an `activity_regularizer=`
     (Keras divides it by the batch size).
@@ -158,6 +161,13 @@ class Term:
             if penalty.__name__ in _BATCH_MEAN_BY_DEFAULT:
                 options.setdefault("reduction", "sum_over_batch_size")
             options = penalty.check_options(**options)
+            mask = options.get("mask")
+            if mask is not None and (isinstance(mask, bool) or not isinstance(mask, (str, int))):
+                raise TypeError(
+                    "A Term's `options['mask']` names the input that holds the mask (a dict key "
+                    f"or a list position, like `inputs`); got {type(mask).__name__}. Feed the "
+                    "mask to the objective beside the tensors and name it here."
+                )
         elif isinstance(penalty, (keras.regularizers.Regularizer, keras.losses.Loss)):
             if options:
                 raise ValueError(
@@ -188,7 +198,22 @@ class Term:
                     f"`inputs` must be None or a non-empty sequence of names or positions; got {inputs!r}."
                 )
         self.inputs = inputs
+        if self.mask_input is not None and inputs is None:
+            raise ValueError(
+                f"`options['mask']`={self.mask_input!r} names an input, so the term needs "
+                "`inputs=(...)` naming the tensors it takes from the same dict or list."
+            )
         self.enabled = num.boolean("enabled", enabled)
+
+    @property
+    def mask_input(self):
+        """The name or position of the input holding the term's mask, or None."""
+        return self.options.get("mask") if self.kind == "op" else None
+
+    @property
+    def reads(self):
+        """Every input the term reads: its `inputs`, then its mask's."""
+        return self.inputs if self.mask_input is None else self.inputs + (self.mask_input,)
 
     @property
     def scheduled(self):
@@ -209,7 +234,11 @@ class Term:
         return Term(self.penalty, self.weight, self.inputs, self.enabled, self.options)
 
     def __call__(self, *tensors):
-        """The unweighted value of the penalty on `tensors`."""
+        """The unweighted value of the penalty on `tensors` (those `reads`
+        names: the mask, if the term has one, comes last)."""
+        if self.mask_input is not None:
+            *tensors, mask = tensors
+            return self.penalty(*tensors, **{**self.options, "mask": mask})
         if self.kind in ("op", "callable"):
             return self.penalty(*tensors, **self.options)
         if self.kind == "regularizer":
@@ -394,21 +423,21 @@ class CompositeObjective(keras.layers.Layer):
                 )
             return tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
         if isinstance(inputs, dict):
-            missing = [k for k in term.inputs if k not in inputs]
+            missing = [k for k in term.reads if k not in inputs]
             if missing:
                 raise ValueError(
-                    f"Term {name!r} takes inputs {list(term.inputs)}, but {missing} "
+                    f"Term {name!r} takes inputs {list(term.reads)}, but {missing} "
                     f"{'is' if len(missing) == 1 else 'are'} not among the fed inputs {sorted(inputs)}."
                 )
-            return tuple(inputs[k] for k in term.inputs)
+            return tuple(inputs[k] for k in term.reads)
         if isinstance(inputs, (list, tuple)):
-            bad = [k for k in term.inputs if not isinstance(k, int) or not -len(inputs) <= k < len(inputs)]
+            bad = [k for k in term.reads if not isinstance(k, int) or not -len(inputs) <= k < len(inputs)]
             if bad:
                 raise ValueError(
-                    f"Term {name!r} takes inputs {list(term.inputs)}, but the objective was fed a "
+                    f"Term {name!r} takes inputs {list(term.reads)}, but the objective was fed a "
                     f"list of {len(inputs)} tensors; list inputs are chosen by position."
                 )
-            return tuple(inputs[k] for k in term.inputs)
+            return tuple(inputs[k] for k in term.reads)
         raise ValueError(
             f"Term {name!r} takes inputs {list(term.inputs)}, but the objective was fed a single "
             "tensor; feed a dict (or list) holding them."

@@ -43,6 +43,22 @@ LOSSES = {
         "logits2",
         lambda t, p: _entropy_per_sample(p, -1.0, from_logits=True, normalize=True, temperature=0.5),
     ),
+    # Chunked rows (3 per chunk; the batches have 6 rows): the same numbers.
+    "kl_chunked": (
+        L.KLDivergence(from_logits=True, direction="symmetric", chunk_size=4),
+        "logits2",
+        lambda t, p: O.np_kl_divergence(t, p, True, "symmetric", reduction="none"),
+    ),
+    "js_chunked": (
+        L.JSDivergence(from_logits=True, beta=0.7, chunk_size=4),
+        "logits2",
+        lambda t, p: O.np_js_divergence(t, p, True, reduction="none", beta=0.7),
+    ),
+    "entropy_chunked": (
+        L.Entropy(from_logits=True, temperature=0.5, chunk_size=1),
+        "logits2",
+        lambda t, p: _entropy_per_sample(p, from_logits=True, temperature=0.5),
+    ),
     "consistency_mse": (L.Consistency(), "real2", lambda t, p: O.np_consistency(t, p, reduction="none")),
     "consistency_cosine": (
         L.Consistency(metric="cosine"),
@@ -167,6 +183,7 @@ def test_config_holds_every_option():
         "direction": "symmetric",
         "temperature": 3.0,
         "axis": 1,
+        "chunk_size": None,
     }
     assert L.Entropy(mode="bonus").get_config()["mode"] == "bonus"
 
@@ -185,6 +202,7 @@ ERRORS = {
     "axis": (lambda: L.Entropy(axis="last"), TypeError, r"`axis` must be an int"),
     "from_logits": (lambda: L.JSDivergence(from_logits="true"), TypeError, r"`from_logits` must be a bool"),
     "reduction": (lambda: L.KLDivergence(reduction="average"), ValueError, r"reduction"),
+    "chunk_size": (lambda: L.JSDivergence(chunk_size=0), ValueError, r"`chunk_size` must be an int >= 1"),
 }
 
 

@@ -129,6 +129,13 @@ def integer(name, value):
     return int(value)
 
 
+def positive_integer(name, value):
+    value = integer(name, value)
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return value
+
+
 def optional(check):
     def check_optional(name, value):
         return None if value is None else check(name, value)
@@ -173,12 +180,18 @@ def to_compute(*tensors):
     are computed in float32 and the result is cast back to their dtype;
     integer inputs are computed and returned in `keras.config.floatx()`.
     """
+    tensors, compute, dtype = dtypes(*tensors)
+    return [ops.cast(t, compute) for t in tensors], dtype
+
+
+def dtypes(*tensors):
+    """`(tensors, compute_dtype, output_dtype)` without casting yet, for
+    callers that cast piece by piece (`per_sample` with chunks)."""
     tensors = [ops.convert_to_tensor(t) for t in tensors]
     dtype = _common_float_dtype(
         [keras.backend.standardize_dtype(t.dtype) for t in tensors]
     )
-    compute = "float32" if dtype in _HALF_DTYPES else dtype
-    return [ops.cast(t, compute) for t in tensors], dtype
+    return tensors, "float32" if dtype in _HALF_DTYPES else dtype, dtype
 
 
 def _common_float_dtype(dtypes):
@@ -348,3 +361,39 @@ def masked_reduce(values, mask, reduction):
         return reduce(values, reduction)
     total = ops.sum(values)
     return total / at_least_one(ops.sum(ops.cast(mask, total.dtype)))
+
+
+def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
+    """`values_fn(*tensors, axis=axis)`, the per-sample values, with the
+    tensors cast to `compute` first.
+
+    With `chunk_size`, the rows of the tensors (every axis but `axis`,
+    flattened) are taken `chunk_size` at a time under `ops.map`, each chunk
+    cast and computed inside `keras.remat`: the backward pass recomputes a
+    chunk instead of keeping its temporaries, so value + gradient hold
+    O(chunk_size × classes) of them rather than O(rows × classes). A map, not
+    a Python loop: XLA keeps every slice of an unrolled loop alive. The row
+    count may be known only at run time; rows short of a whole chunk are
+    padded with ones (finite as logits and as probabilities) and dropped.
+    """
+    if chunk_size is None:
+        return values_fn(*[ops.cast(t, compute) for t in tensors], axis=axis)
+    last = len(tensors[0].shape) - 1
+    if axis != last:
+        tensors = [ops.moveaxis(t, axis, -1) for t in tensors]
+    shape = ops.shape(tensors[0])
+    classes = shape[-1]
+    rows = [ops.reshape(t, (-1, classes)) for t in tensors]
+    n = ops.shape(rows[0])[0]
+    chunks = at_least_one((n + chunk_size - 1) // chunk_size)
+    pad = chunks * chunk_size - n
+    if not isinstance(pad, int) or pad:
+        rows = [ops.concatenate([r, ops.ones((pad, classes), r.dtype)], axis=0) for r in rows]
+    rows = tuple(ops.reshape(r, (chunks, chunk_size, classes)) for r in rows)
+
+    @keras.remat
+    def chunk_values(chunk):
+        return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1)
+
+    values = ops.reshape(ops.map(chunk_values, rows), (-1,))
+    return ops.reshape(values[:n], shape[:-1])

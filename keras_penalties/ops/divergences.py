@@ -14,6 +14,7 @@ Conventions shared by all of them:
 - `reduction` reduces the per-sample values, i.e. over every axis but `axis`.
 """
 
+import functools
 import math
 
 from keras import ops
@@ -30,6 +31,7 @@ _DISTRIBUTION_OPTIONS = dict(
     axis=num.integer,
     reduction=num.REDUCTION,
 )
+_TOKEN_OPTIONS = dict(chunk_size=num.optional(num.positive_integer))
 
 
 _NO_AXIS = "a distribution axis"
@@ -38,10 +40,28 @@ _NO_AXIS = "a distribution axis"
 def _convert_pair(p, q, names, axis, min_rank=1):
     """Converts both inputs to one compute dtype; returns (p, q, dtype, axis)."""
     (p, q), dtype = num.to_compute(p, q)
+    return (p, q, dtype, _check_pair(p, q, names, axis, min_rank))
+
+
+def _check_pair(p, q, names, axis, min_rank=1):
     num.check_same_shape(names, p, q)
     if min_rank:
         num.check_rank(names[0], p, min_rank, _NO_AXIS)
-    return p, q, dtype, num.check_axis("axis", axis, max(len(p.shape), 1))
+    return num.check_axis("axis", axis, max(len(p.shape), 1))
+
+
+def _token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size):
+    """The reduced values of `values_fn` over `tensors` for kl, js and entropy,
+    with their `mask` and `chunk_size` (see `kl_divergence`)."""
+    tensors, compute, dtype = num.dtypes(*tensors)
+    if len(tensors) == 2:
+        axis = _check_pair(*tensors, names, axis)
+    else:
+        num.check_rank(names[0], tensors[0], 1, _NO_AXIS)
+        axis = num.check_axis("axis", axis, len(tensors[0].shape))
+    mask = num.sample_mask(mask, tensors[0], axis)
+    values = num.per_sample(values_fn, tensors, axis, compute, chunk_size)
+    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
 def _kl_from_log(p, logp, logq, axis):
@@ -49,7 +69,7 @@ def _kl_from_log(p, logp, logq, axis):
     return ops.sum(p * (logp - logq), axis=axis)
 
 
-@num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS)
+@num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def kl_divergence(
     p,
     q,
@@ -60,6 +80,7 @@ def kl_divergence(
     axis=-1,
     reduction="mean",
     mask=None,
+    chunk_size=None,
 ):
     """Kullback-Leibler divergence between two distributions along `axis`.
 
@@ -81,6 +102,13 @@ def kl_divergence(
             padding and prompt tokens). Masked positions add nothing to the
             value or the gradient; `"mean"` divides by the number kept (0 when
             none is); with `"none"` they are 0.
+        chunk_size: None, or an int >= 1: compute the per-sample values
+            `chunk_size` rows at a time (the rows are every position, all
+            axes but `axis` flattened), each chunk recomputed in the backward
+            pass (`keras.remat`) under `keras.ops.map`. Value + gradient then
+            hold temporaries of `chunk_size × classes` instead of the whole
+            array's: for LLM logits, e.g. [8192, 128256]. Equal to the
+            unchunked result to float32 rounding.
 
     Example:
 
@@ -90,22 +118,23 @@ def kl_divergence(
     >>> float(P.kl_divergence([[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]], mask=[0, 1]))
     0.0
     """
-    p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
-    mask = num.sample_mask(mask, p, axis)
+    values = functools.partial(_kl_values, direction=direction, from_logits=from_logits, temperature=temperature)
+    return _token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size)
+
+
+def _kl_values(p, q, *, direction, from_logits, temperature, axis):
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     # Only the weighting distribution is needed as probabilities: forming the
     # other would cost a pass over the tensor outside jit.
     if direction == "forward":
         p, logp = num.probs_and_log_probs(p, **kw)
-        values = _kl_from_log(p, logp, num.log_probs(q, **kw), axis)
-    elif direction == "reverse":
+        return _kl_from_log(p, logp, num.log_probs(q, **kw), axis)
+    if direction == "reverse":
         q, logq = num.probs_and_log_probs(q, **kw)
-        values = _kl_from_log(q, logq, num.log_probs(p, **kw), axis)
-    else:
-        p, logp = num.probs_and_log_probs(p, **kw)
-        q, logq = num.probs_and_log_probs(q, **kw)
-        values = 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
-    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
+        return _kl_from_log(q, logq, num.log_probs(p, **kw), axis)
+    p, logp = num.probs_and_log_probs(p, **kw)
+    q, logq = num.probs_and_log_probs(q, **kw)
+    return 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
 
 
 def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
@@ -134,8 +163,10 @@ def _beta(name, value):
     return value
 
 
-@num.options(beta=_beta, **_DISTRIBUTION_OPTIONS)
-def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean", mask=None):
+@num.options(beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+def js_divergence(
+    p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean", mask=None, chunk_size=None
+):
     """Generalized Jensen-Shannon divergence: β·KL(p‖m) + (1 − β)·KL(q‖m), m = βp + (1 − β)q.
 
     At β = ½ (the default) it is the JS divergence: symmetric, in nats,
@@ -143,8 +174,8 @@ def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1
     distillation (Agarwal et al., 2024, "On-Policy Distillation of Language
     Models"), which leans towards β·KL(p‖q) as β → 0 and (1 − β)·KL(q‖p) as
     β → 1; β must lie strictly inside (0, 1), since the divergence vanishes at
-    both ends (use `kl_divergence` there). Other arguments, `mask` included,
-    as in `kl_divergence`.
+    both ends (use `kl_divergence` there). Other arguments, `mask` and
+    `chunk_size` included, as in `kl_divergence`.
 
     Example:
 
@@ -154,14 +185,14 @@ def js_divergence(p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1
     >>> round(float(P.js_divergence([1.0, 0.0], [0.0, 1.0], beta=0.25)), 6)  # −.25 ln .25 − .75 ln .75
     0.562335
     """
-    p, q, dtype, axis = _convert_pair(p, q, ("p", "q"), axis)
-    mask = num.sample_mask(mask, p, axis)
-    values = _js_values(p, q, from_logits=from_logits, temperature=temperature, axis=axis, beta=beta)
-    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
+    values = functools.partial(_js_values, from_logits=from_logits, temperature=temperature, beta=beta)
+    return _token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size)
 
 
-@num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS)
-def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean", mask=None):
+@num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+def entropy(
+    x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean", mask=None, chunk_size=None
+):
     """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
 
     Args:
@@ -175,6 +206,8 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
             axes.
         mask: None, or the per-sample positions that count (as in
             `kl_divergence`).
+        chunk_size: None, or rows per rematerialised chunk (as in
+            `kl_divergence`).
 
     Example:
 
@@ -184,19 +217,18 @@ def entropy(x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     >>> float(P.entropy([0.25, 0.25, 0.25, 0.25], normalize=True))
     1.0
     """
-    (x,), dtype = num.to_compute(x)
-    num.check_rank("x", x, 1, _NO_AXIS)
-    axis = num.check_axis("axis", axis, len(x.shape))
-    mask = num.sample_mask(mask, x, axis)
-    p, logp = num.probs_and_log_probs(
-        x, from_logits=from_logits, temperature=temperature, axis=axis
-    )
+    values = functools.partial(_entropy_values, from_logits=from_logits, normalize=normalize, temperature=temperature)
+    return _token_level(values, (x,), ("x",), axis, reduction, mask, chunk_size)
+
+
+def _entropy_values(x, *, from_logits, normalize, temperature, axis):
+    p, logp = num.probs_and_log_probs(x, from_logits=from_logits, temperature=temperature, axis=axis)
     values = -ops.sum(p * logp, axis=axis)
     if normalize:
         # A one-class axis has H = 0; dividing by ln 1 = 0 would make it NaN.
         log_k = ops.log(ops.cast(ops.shape(x)[axis], values.dtype))
         values = ops.where(log_k > 0, values / ops.where(log_k > 0, log_k, 1.0), 0.0)
-    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
+    return values
 
 
 @num.options(

@@ -1,0 +1,196 @@
+"""`chunk_size=` on kl_divergence, js_divergence and entropy (SPEC §1): values
+against the NumPy oracles, and value, gradient and training equal to the
+unchunked call — with masks, temperature, every direction, another axis,
+probabilities, half precision, empty inputs and row counts known only at run
+time."""
+
+import numpy as np
+import pytest
+from keras import ops
+
+import keras
+from keras_penalties import CompositeObjective, Term
+from keras_penalties import ops as P
+from tests import oracles as O
+from tests.testing import BACKEND, assert_finite, grad, to_numpy
+
+RNG = np.random.default_rng(11)
+SHAPE = (3, 4, 7)  # 12 rows of a 7-class vocabulary
+P_LOGITS = RNG.normal(scale=3.0, size=SHAPE).astype("float32")
+Q_LOGITS = RNG.normal(scale=3.0, size=SHAPE).astype("float32")
+MASK = (RNG.uniform(size=SHAPE[:2]) < 0.6).astype("float32")
+MASK[0, 0], MASK[0, 1] = 1.0, 0.0
+# One row per chunk, a size that leaves a partial last chunk, all rows in one
+# chunk, and a chunk larger than the input.
+CHUNKS = (1, 5, 12, 64)
+
+# name -> (ours(p, q, **kw), oracle per-sample values(p, q))
+FUNCTIONS = {
+    "kl_forward": (lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_kl_divergence(p, q, True, reduction="none")),
+    "kl_reverse_t": (
+        lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, direction="reverse", temperature=0.5, **kw),
+        lambda p, q: O.np_kl_divergence(p, q, True, direction="reverse", temperature=0.5, reduction="none"),
+    ),
+    "kl_symmetric": (
+        lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, direction="symmetric", **kw),
+        lambda p, q: O.np_kl_divergence(p, q, True, direction="symmetric", reduction="none"),
+    ),
+    "js": (lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_js_divergence(p, q, True, reduction="none")),
+    "js_beta_t": (
+        lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, beta=0.1, temperature=2.0, **kw),
+        lambda p, q: O.np_js_divergence(p, q, True, reduction="none", beta=0.1, temperature=2.0),
+    ),
+    "entropy": (lambda p, q, **kw: P.entropy(q, from_logits=True, **kw), lambda p, q: O.np_entropy(q, True, reduction="none")),
+    "entropy_normalized": (
+        lambda p, q, **kw: P.entropy(q, from_logits=True, normalize=True, **kw),
+        lambda p, q: O.np_entropy(q, True, normalize=True, reduction="none"),
+    ),
+}
+
+
+def _expected(values, reduction, mask=None):
+    kept = np.ones(values.shape, bool) if mask is None else mask != 0
+    return {"mean": values[kept].sum() / max(kept.sum(), 1), "sum": values[kept].sum(), "none": np.where(kept, values, 0.0)}[reduction]
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_chunked_value_matches_oracle(name, chunk_size):
+    ours, oracle = FUNCTIONS[name]
+    values = oracle(P_LOGITS, Q_LOGITS)
+    for reduction in ("mean", "sum", "none"):
+        for mask in (None, MASK):
+            got = to_numpy(ours(P_LOGITS, Q_LOGITS, chunk_size=chunk_size, mask=mask, reduction=reduction))
+            np.testing.assert_allclose(got, _expected(values, reduction, mask), rtol=1e-5, atol=1e-6)
+
+
+# A partial last chunk, and one padded chunk (fewer sizes than for values:
+# each eager JAX call compiles its map).
+@pytest.mark.parametrize("chunk_size", (5, 64))
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_chunked_gradients_equal_unchunked(name, chunk_size):
+    ours, _ = FUNCTIONS[name]
+    p, q = ops.convert_to_tensor(P_LOGITS), ops.convert_to_tensor(Q_LOGITS)
+    for mask in (None, MASK):
+        for wrt in ("p", "q"):
+            def loss(x, chunk_size):
+                return ours(x, q, chunk_size=chunk_size, mask=mask) if wrt == "p" else ours(p, x, chunk_size=chunk_size, mask=mask)
+
+            x = P_LOGITS if wrt == "p" else Q_LOGITS
+            chunked = grad(lambda t: loss(t, chunk_size), x)
+            assert_finite(chunked, name)
+            np.testing.assert_allclose(chunked, grad(lambda t: loss(t, None), x), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fn", ["kl", "js", "entropy"])
+def test_chunks_of_probabilities_along_another_axis(fn):
+    # Distribution along axis 1 of probabilities with exact zeros, at T != 1.
+    probs = np.array(to_numpy(ops.softmax(ops.convert_to_tensor(P_LOGITS), axis=-1)))
+    probs[0, 0, :3] = 0.0
+    probs /= probs.sum(-1, keepdims=True)
+    other = to_numpy(ops.softmax(ops.convert_to_tensor(Q_LOGITS), axis=-1))
+    p, q = np.moveaxis(probs, -1, 1), np.moveaxis(other, -1, 1)
+    for chunk_size in CHUNKS:
+        if fn == "kl":
+            # Forward: the zeros are in p, so KL(p‖q) is finite.
+            got = P.kl_divergence(p, q, axis=1, temperature=0.7, chunk_size=chunk_size, reduction="none")
+            expected = O.np_kl_divergence(p, q, axis=1, temperature=0.7, reduction="none")
+        elif fn == "js":
+            got = P.js_divergence(p, q, axis=1, temperature=0.7, beta=0.3, chunk_size=chunk_size, reduction="none")
+            expected = O.np_js_divergence(p, q, axis=1, temperature=0.7, beta=0.3, reduction="none")
+        else:
+            got = P.entropy(p, axis=1, temperature=0.7, chunk_size=chunk_size, reduction="none")
+            expected = O.np_entropy(p, axis=1, temperature=0.7, reduction="none")
+        np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_chunked_half_precision_equals_unchunked(dtype):
+    # Each chunk is cast to float32 inside the map; the result is the dtype of
+    # the inputs, as unchunked.
+    p, q = ops.cast(P_LOGITS, dtype), ops.cast(Q_LOGITS, dtype)
+    for fn in (P.kl_divergence, P.js_divergence):
+        chunked = fn(p, q, from_logits=True, chunk_size=5, mask=MASK)
+        assert keras.backend.standardize_dtype(chunked.dtype) == dtype
+        np.testing.assert_array_equal(to_numpy(ops.cast(chunked, "float32")), to_numpy(ops.cast(fn(p, q, from_logits=True, mask=MASK), "float32")))
+
+
+def test_no_rows_give_zero_with_a_finite_gradient():
+    empty = np.zeros((0, 4, 7), "float32")
+    for reduction in ("mean", "sum"):
+        assert float(to_numpy(P.kl_divergence(empty, empty, from_logits=True, chunk_size=3, reduction=reduction))) == 0.0
+        assert float(to_numpy(P.entropy(empty, from_logits=True, chunk_size=3, reduction=reduction))) == 0.0
+    assert to_numpy(P.js_divergence(empty, empty, from_logits=True, chunk_size=3, reduction="none")).shape == (0, 4)
+    g = grad(lambda x: P.js_divergence(x, x * 2.0, from_logits=True, chunk_size=3), empty)
+    assert g.shape == empty.shape
+
+
+def _distill_model(chunk_size):
+    """Student logits trained towards fixed teacher logits by a chunked,
+    masked KL plus an entropy bonus: rows per batch vary (a partial last
+    batch), so the row count is known only at run time under TF's trace."""
+    keras.utils.set_random_seed(5)
+    vocab = SHAPE[-1]
+    tokens, teacher, mask = keras.Input((4, vocab)), keras.Input((4, vocab)), keras.Input((4,))
+    student = keras.layers.Dense(vocab)(tokens)
+    options = {"from_logits": True, "chunk_size": chunk_size}
+    objective = CompositeObjective(
+        {
+            "kl": Term("kl_divergence", inputs=("teacher", "student"), options=dict(options, temperature=2.0, mask="mask")),
+            "entropy": Term("entropy", 0.1, inputs=("student",), options=options),
+        },
+        name="distill",
+    )
+    out = objective({"teacher": teacher, "student": student, "mask": mask})
+    model = keras.Model([tokens, teacher, mask], out)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None)
+    return model
+
+
+def test_fit_with_chunks_equals_fit_without():
+    n = 10  # batches of 4, 4 and 2
+    tokens = RNG.normal(size=(n,) + SHAPE[1:]).astype("float32")
+    teacher = RNG.normal(scale=2.0, size=(n,) + SHAPE[1:]).astype("float32")
+    mask = (RNG.uniform(size=(n, 4)) < 0.7).astype("float32")
+    weights = {}
+    for chunk_size in (None, 3):
+        model = _distill_model(chunk_size)
+        history = model.fit([tokens, teacher, mask], epochs=2, batch_size=4, shuffle=False, verbose=0)
+        weights[chunk_size] = (model.get_weights(), history.history["loss"])
+    for a, b in zip(weights[None][0], weights[3][0]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights[3][1], weights[None][1], rtol=1e-5)
+    assert weights[None][1][-1] < weights[None][1][0]
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)")
+def test_rows_known_only_at_run_time_on_tensorflow():
+    import tensorflow as tf
+
+    spec = tf.TensorSpec([None, None, SHAPE[-1]], tf.float32)
+
+    @tf.function(input_signature=[spec, spec, tf.TensorSpec([None, None], tf.float32)])
+    def chunked(p, q, mask):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            value = P.js_divergence(p, q, from_logits=True, beta=0.3, chunk_size=5, mask=mask)
+        return value, tape.gradient(value, q)
+
+    for rows in (3, 1, 0):
+        p, q, mask = P_LOGITS[:rows], Q_LOGITS[:rows], MASK[:rows]
+        value, g = chunked(p, q, mask)
+        np.testing.assert_allclose(float(value), float(P.js_divergence(p, q, from_logits=True, beta=0.3, mask=mask)), rtol=1e-5, atol=1e-7)
+        expected = grad(lambda t: P.js_divergence(p, t, from_logits=True, beta=0.3, mask=mask), q)
+        np.testing.assert_allclose(g.numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit of value_and_grad; the other backends' traced paths are covered by fit above")
+def test_under_jax_jit():
+    import jax
+
+    def loss(p, q):
+        return P.kl_divergence(p, q, from_logits=True, direction="reverse", chunk_size=5, mask=MASK)
+
+    value, (gp, gq) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(P_LOGITS, Q_LOGITS)
+    np.testing.assert_allclose(float(value), float(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, direction="reverse", mask=MASK)), rtol=1e-5)
+    np.testing.assert_allclose(gq, grad(lambda t: P.kl_divergence(P_LOGITS, t, from_logits=True, direction="reverse", mask=MASK), Q_LOGITS), rtol=1e-5, atol=1e-7)
