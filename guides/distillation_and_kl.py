@@ -8,7 +8,8 @@ knowledge distillation (Hinton et al., 2015), of KL-regularized fine-tuning
 1. trains a teacher, then distils it into a smaller student from logits, with
    a temperature, in a `CompositeObjective` fed a dict of named tensors;
 2. swaps in the symmetric KL and the Jensen-Shannon divergence;
-3. anneals the KL weight from 0 to 1 with a schedule of the training step.
+3. anneals the KL weight from 0 to 1 with a schedule of the training step;
+4. distils a token model with the T² weight, a token mask and chunks.
 
     KERAS_BACKEND=tensorflow python guides/distillation_and_kl.py
 """
@@ -103,3 +104,42 @@ history = student.fit(x, y, epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor(
 objective = student.get_layer("distill")
 print(f"after {int(keras.ops.convert_to_numpy(objective.step))} steps the KL weight is "
       f"{float(keras.ops.convert_to_numpy(objective.current_weights())[0]):.2f}")
+
+"""
+## 4. Token-level distillation: T², a token mask, chunks
+
+Language models are distilled position by position. The objective reads a
+mask input (1 where a token counts: the answer, not the prompt or padding)
+through the term's `mask` option, and `chunk_size` computes the KL a block of
+rows at a time, recomputed in the backward pass, so a large vocabulary never
+needs the whole `[tokens, vocab]` array of temporaries. The weight is T², as
+in section 1 (and in `keras.distillation`, whose `LogitsDistillation` takes
+`loss=KLDivergence(from_logits=True)` from this package with
+`distillation_loss_weights=[T**2]`: see the README).
+"""
+
+vocab, length, prompt = 32, 10, 4
+sequences = rng.integers(1, vocab, (512, length))
+# The teacher's next-token logits favour (token + 1) mod vocab.
+teacher_logits = 4.0 * keras.ops.convert_to_numpy(keras.ops.one_hot((sequences + 1) % vocab, vocab)).astype("float32")
+answer = np.broadcast_to((np.arange(length) >= prompt).astype("float32"), (512, length)).copy()
+
+tokens = keras.Input((length,), dtype="int32")
+teacher_in = keras.Input((length, vocab))
+answer_in = keras.Input((length,))
+student_logits = keras.layers.Dense(vocab)(keras.layers.Embedding(vocab, 16)(tokens))
+outputs = CompositeObjective(
+    {
+        "kd": Term(
+            "kl_divergence",
+            T**2,
+            inputs=("teacher", "student"),
+            options={"from_logits": True, "temperature": T, "mask": "answer", "chunk_size": 256},
+        )
+    },
+    name="tokens",
+)({"teacher": teacher_in, "student": student_logits, "answer": answer_in})
+lm = keras.Model([tokens, teacher_in, answer_in], outputs["student"])
+lm.compile(optimizer=keras.optimizers.Adam(0.01))
+history = lm.fit([sequences, teacher_logits, answer], epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor()])
+print(f"masked token KL at T={T}: {history.history['tokens/kd'][0]:.4f} -> {history.history['tokens/kd'][-1]:.4f}")
