@@ -217,6 +217,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._step = 0
         self._epoch = 0
         self._epoch_probes = []
+        self._ended = None  # the batch whose end-of-batch work is pending
 
     # ------------------------------------------------------------ metrics in the model
 
@@ -308,6 +309,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_probes = []
+        self._ended = None
         self._reset(training=True)
 
     def _due(self, batch):
@@ -318,8 +320,22 @@ class PenaltyMonitor(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")
         return (batch + 1) % self.every_n_batches == 0 or steps is None or batch + 1 >= steps
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self._due(batch):
+    # No on_train_batch_end: Keras dispatches batch ends asynchronously (JAX,
+    # torch) unless a callback overrides that hook, and then does so for every
+    # batch. The work due after batch k runs at the start of batch k + 1, on
+    # the main thread, where a JAX state sync is safe; the epoch's last batch
+    # is caught up in on_epoch_end, whose logs History records.
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._catch_up()
+        self._ended = batch
+
+    def _catch_up(self, logs=None):
+        """The work due after the last batch that ended, if not done yet."""
+        batch, self._ended = self._ended, None
+        if batch is None:
+            return
+        if self._due(batch) or logs is not None:
             self._mirror(True, logs)
         if self.probe_data is not None and self._step % self.every_n_batches == 0:
             probe_logs = self._probe_logs(self.probe())
@@ -329,6 +345,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._step += 1
 
     def on_epoch_end(self, epoch, logs=None):
+        self._catch_up(logs if logs is not None else {})
         if logs is not None and self._epoch_probes:
             for key in self._epoch_probes[0]:
                 logs[key] = sum(p[key] for p in self._epoch_probes) / len(self._epoch_probes)

@@ -130,6 +130,23 @@ def test_monitor_does_not_change_the_training_trajectory():
         np.testing.assert_array_equal(a, b)
 
 
+def test_monitor_keeps_async_batch_dispatch_and_probes_every_n_batches():
+    # Keras turns off asynchronous batch-end dispatch for every batch once a
+    # callback overrides on_train_batch_end (CallbackList._async_train, the
+    # flag Keras itself reads; TF is never async). The monitor must not.
+    model = _linear_model()
+    bare = keras.callbacks.CallbackList([], model=model)
+    monitor = PenaltyMonitor(probe_data=(X, Y), every_n_batches=3)
+    with_monitor = keras.callbacks.CallbackList([monitor], model=model)
+    assert with_monitor._async_train == bare._async_train == (BACKEND != "tensorflow")
+    # Its work is still done after the right batches: probes after steps 0, 3
+    # (of 4 per epoch) and the epoch's last batch mirrored into its logs.
+    history = model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+    assert [entry["step"] for entry in monitor.history] == [0, 3, 6]
+    assert [entry["epoch"] for entry in monitor.history] == [0, 0, 1]
+    assert len(history.history["obj/l1"]) == 2
+
+
 def test_history_plot_and_composite_loss_keys():
     model = _stateful_model()
     monitor = PenaltyMonitor(probe_data=(X, Y), every_n_batches=2)

@@ -8,6 +8,8 @@ organises `keras/src/backend/`:
   each tensor, kept differentiable (double backprop).
 - `parameter_probe(trainable, others, outputs, num_outputs, grad_norms)`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
+- `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
+  that backend (shared exp under XLA; exp(log_softmax) on TF).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
 - `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
@@ -34,6 +36,7 @@ _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
 gradients = _module.gradients
 parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
+softmax_pair = _module.softmax_pair
 sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution

@@ -7,6 +7,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     norm,
     outside_distribution,
     replicas_in_sync,
+    softmax_pair,
     sum_over_replicas,
 )
 
