@@ -12,6 +12,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     outside_distribution,
     replicas_in_sync,
     softmax_pair,
+    sum_of_squares,
     sum_over_replicas,
 )
 

@@ -2,6 +2,7 @@
 
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties.ops import _numerics as num
 
 
@@ -37,9 +38,10 @@ def l1(x, *, reduction="sum"):
 # Σ|x| as a 1-norm is a single reduction: on eager torch abs-then-sum wrote
 # and read a second copy of x (7x the time of one NumPy pass over 10^7
 # elements); under XLA and on TF it is the same loop as before. Its gradient
-# is sign(x), 0 at 0. Σx² stays square-then-sum: x·x would spare torch the
-# copy too, but on TF it is a matrix-vector product that made the bench's fit
-# step 20 % slower (see bench/results/README.md).
+# is sign(x), 0 at 0. Σx² is `backend.sum_of_squares`: a dot product on torch
+# for the same reason, square-then-sum elsewhere (on TF x·x is a
+# matrix-vector product that made the bench's fit step 20 % slower; see
+# bench/results/README.md).
 
 
 def _sum_abs(x):
@@ -84,7 +86,9 @@ def l2(x, *, reduction="sum", center=None, clip=None):
         x = x - center
     if clip is not None:
         x = ops.clip(x, -clip, clip)
-    return num.from_compute(num.reduce(ops.square(x), reduction), dtype)
+    if reduction == "none":
+        return num.from_compute(ops.square(x), dtype)
+    return num.from_compute(num.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
 
 
 @num.options(l1_ratio=num.closed_unit, reduction=num.MAGNITUDE_REDUCTION)
@@ -106,7 +110,7 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
-    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * ops.sum(ops.square(x))
+    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * backend.sum_of_squares(x)
     return num.from_compute(num.scale_sum(total, x, reduction), dtype)
 
 
