@@ -25,6 +25,7 @@ class Case:
     target: str  # on ratio = ours / reference (time or memory)
     build: object  # build(small) -> dict(ours=, reference=, per=steps per call, bytes=)
     limit: float = None  # the ratio target, None when only reported
+    memory_limit: float = None  # a peak-memory ratio target, if any
 
 
 # ---------------------------------------------------------------- divergences on an LLM vocabulary
@@ -77,6 +78,70 @@ DIVERGENCE_CASES = [
         ("entropy", _ours_entropy, native.entropy, 1),
     )
     for grad in (False, True)
+]
+
+
+# ---------------------------------------------------------------- LLM scale: masked, chunked, value + gradient
+
+LLM_SHAPES = ((8192, 32000), (4096, 128256))
+LLM_CHUNK = 512  # rows per chunk; bench/chunking.py shows where chunking starts to pay
+
+
+def _tokens(small, shape, count):
+    rows, vocab = (64, 1000) if small else shape
+    rng = np.random.default_rng(0)
+    mask = (rng.uniform(size=rows) >= 0.25).astype("float32")  # 25 % of tokens masked
+    return [ops.convert_to_tensor(mask)] + [
+        ops.convert_to_tensor(2.0 * rng.standard_normal(size=(rows, vocab), dtype=np.float32)) for _ in range(count)
+    ]
+
+
+def _llm(ours_fn, ref_fn, shape, count):
+    def build(small):
+        args = _tokens(small, shape, count)
+        ours, reference = native.value_and_grad(ours_fn), native.value_and_grad(ref_fn)
+        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
+
+    return build
+
+
+_LLM_FUNCTIONS = {
+    # name -> (ours(mask, *logits, chunk_size), the peer's, number of logits)
+    "kl forward": (lambda c: lambda m, t, s: P.kl_divergence(t, s, from_logits=True, mask=m, chunk_size=c), native.masked_kl, 2),
+    "kl reverse": (
+        lambda c: lambda m, t, s: P.kl_divergence(t, s, from_logits=True, direction="reverse", mask=m, chunk_size=c),
+        functools.partial(native.masked_kl, reverse=True),
+        2,
+    ),
+    "js β=0.5": (lambda c: lambda m, t, s: P.js_divergence(t, s, from_logits=True, mask=m, chunk_size=c), native.masked_js, 2),
+    "js β=0.1": (
+        lambda c: lambda m, t, s: P.js_divergence(t, s, from_logits=True, beta=0.1, mask=m, chunk_size=c),
+        functools.partial(native.masked_js, beta=0.1),
+        2,
+    ),
+    "entropy": (lambda c: lambda m, x: P.entropy(x, from_logits=True, mask=m, chunk_size=c), native.masked_entropy, 1),
+}
+
+LLM_CASES = [
+    Case(
+        f"masked {name} value+grad {list(shape)}, chunk_size={LLM_CHUNK}",
+        _PEER,
+        "time ≤ 1.10, memory ≤ 0.50",
+        _llm(ours(LLM_CHUNK), peer, shape, count),
+        1.10,
+        0.50,
+    )
+    for shape in LLM_SHAPES
+    for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
+] + [
+    Case(
+        f"masked {name} value+grad {list(LLM_SHAPES[0])}, chunk_size={LLM_CHUNK} vs none",
+        "our unchunked call",
+        "reported",
+        _llm(ours(LLM_CHUNK), ours(None), LLM_SHAPES[0], count),
+    )
+    for name, (ours, _, count) in _LLM_FUNCTIONS.items()
+    if name in ("kl forward", "js β=0.5", "entropy")
 ]
 
 
@@ -285,4 +350,4 @@ OPTIMIZER_CASES = [
     for name, wrap in WRAPPERS.items()
 ]
 
-CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + NORM_CASES
+CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + LLM_CASES + NORM_CASES

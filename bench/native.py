@@ -124,6 +124,94 @@ def entropy(logits):
     return -tf.reduce_mean(tf.reduce_sum(tf.exp(lp) * lp, -1))
 
 
+# ---------------------------------------------------------------- token-level, with a mask
+# Per-token values written the obvious way, then the mean over kept tokens:
+# Σ(v·mask) / max(Σmask, 1). The logits the gradient is taken for come last.
+
+
+def _masked_mean(values, mask):
+    if BACKEND == "jax":
+        import jax.numpy as jnp
+
+        return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if BACKEND == "torch":
+        return (values * mask).sum() / mask.sum().clamp_min(1.0)
+    import tensorflow as tf
+
+    return tf.reduce_sum(values * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+
+def _log_softmax(x):
+    if BACKEND == "jax":
+        import jax
+
+        return jax.nn.log_softmax(x)
+    if BACKEND == "torch":
+        import torch.nn.functional as F
+
+        return F.log_softmax(x, -1)
+    import tensorflow as tf
+
+    return tf.nn.log_softmax(x)
+
+
+def _token_kl(log_p, log_q):
+    """Per token KL(p‖q) from log-probabilities."""
+    if BACKEND == "jax":
+        import optax
+
+        return optax.losses.kl_divergence_with_log_targets(log_q, log_p)
+    if BACKEND == "torch":
+        import torch.nn.functional as F
+
+        return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    import tensorflow as tf
+
+    return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q), -1)
+
+
+def masked_kl(mask, teacher, student, reverse=False):
+    lt, ls = _log_softmax(teacher), _log_softmax(student)
+    return _masked_mean(_token_kl(ls, lt) if reverse else _token_kl(lt, ls), mask)
+
+
+def masked_js(mask, teacher, student, beta=0.5):
+    """β·KL(p‖m) + (1 − β)·KL(q‖m), log m = logsumexp(log β + log p, log(1 − β) + log q)."""
+    lp, lq = _log_softmax(teacher), _log_softmax(student)
+    a, b = math.log(beta), math.log(1.0 - beta)
+    if BACKEND == "jax":
+        import jax.numpy as jnp
+
+        lm = jnp.logaddexp(a + lp, b + lq)
+    elif BACKEND == "torch":
+        import torch
+
+        lm = torch.logaddexp(a + lp, b + lq)
+    else:
+        import tensorflow as tf
+
+        lm = tf.reduce_logsumexp(tf.stack([a + lp, b + lq]), 0)
+    return _masked_mean(beta * _token_kl(lp, lm) + (1.0 - beta) * _token_kl(lq, lm), mask)
+
+
+def masked_entropy(mask, logits):
+    if BACKEND == "torch":
+        import torch
+
+        values = torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
+    else:
+        lp = _log_softmax(logits)
+        if BACKEND == "jax":
+            import jax.numpy as jnp
+
+            values = -jnp.sum(jnp.exp(lp) * lp, -1)
+        else:
+            import tensorflow as tf
+
+            values = -tf.reduce_sum(tf.exp(lp) * lp, -1)
+    return _masked_mean(values, mask)
+
+
 # ---------------------------------------------------------------- a WGAN-GP critic step
 
 

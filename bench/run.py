@@ -111,7 +111,7 @@ def machine():
 def measure(index, small, repeats, memory=True):
     """One case's report row, or a row saying why it could not be measured."""
     case = CASES[index]
-    row = {"case": case.name, "reference_name": case.reference, "target": case.target}
+    row = {"case": case.name, "reference_name": case.reference, "target": case.target, "repeats": repeats}
     try:
         # Each case runs in fresh processes, so no case inherits another's
         # allocations (TensorFlow's allocator keeps what it has used).
@@ -136,6 +136,9 @@ def measure(index, small, repeats, memory=True):
         row["ours"]["gb_per_s"] = nbytes / row["ours"]["median_s"] / 1e9
         row["reference"]["gb_per_s"] = nbytes / row["reference"]["median_s"] / 1e9
     row["met"] = None if case.limit is None else row["time_ratio"] <= case.limit
+    if case.memory_limit is not None:
+        fits = row["memory_ratio"] is not None and row["memory_ratio"] <= case.memory_limit
+        row["met"] = fits if row["met"] is None else row["met"] and fits
     return row
 
 
@@ -145,7 +148,11 @@ def run(small, repeats, only, output, memory=True):
     measured. With `only`, the rows replace or join those of the last report."""
     output.mkdir(parents=True, exist_ok=True)
     path = output / f"{native.BACKEND}.json"
-    rows = json.loads(path.read_text())["cases"] if only and path.exists() else []
+    rows = []
+    if only and path.exists():
+        old = json.loads(path.read_text())
+        # Rows keep the number of runs they were measured with.
+        rows = [{"repeats": old["repeats"], **row} for row in old["cases"]]
     report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
     for index, case in enumerate(CASES):
         if only and only not in case.name:
@@ -181,12 +188,14 @@ def _line(row):
 
 def markdown(report):
     m = report["machine"]
+    runs_of = [row.get("repeats", report["repeats"]) for row in report["cases"]]
+    usual = statistics.mode(runs_of) if runs_of else report["repeats"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
     lines = [
         f"# Benchmarks: {report['backend']}",
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; {versions}.",
-        f"Median of {report['repeats']} alternating runs after warm-up (per step for fit cases); "
+        f"Median of {usual} alternating runs after warm-up (other counts are given by the case) (per step for fit cases); "
         "time ratio = ours / reference of the medians (the targets apply to it), and of the minima; "
         "peak memory is what each side adds above its inputs, in a fresh process.",
         "",
@@ -200,8 +209,10 @@ def markdown(report):
         o, r = row["ours"], row["reference"]
         memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
         met = "" if row["met"] is None else (" ✓" if row["met"] else " ✗")
+        runs = row.get("repeats", report["repeats"])
+        name = row["case"] if runs == usual else f"{row['case']} ({runs} runs)"
         lines.append(
-            f"| {row['case']} | {row['reference_name']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
+            f"| {name} | {row['reference_name']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
             f"| {r['median_s'] * 1e3:.2f} ms ({r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}) "
             f"| {row['time_ratio']:.3f} ({row['min_time_ratio']:.3f}) "
             f"| {_mb(o['peak_memory_bytes'])} / {_mb(r['peak_memory_bytes'])} | {memory} | {row['target']}{met} |"

@@ -49,3 +49,10 @@ def test_sparse_recovery_runs_at_tiny_size():
     for r in rows:
         assert 0.0 <= r["precision"] <= 1.0 and 0.0 <= r["recall"] <= 1.0 and r["steps"] == 7
     assert sparse_recovery.markdown(rows, 1).startswith("# Sparse recovery")
+
+
+def test_chunking_measure_runs_at_tiny_size():
+    from bench import chunking
+
+    seconds, peak = chunking.measure("js β=0.5", 16, (40, 100), repeats=1)
+    assert seconds > 0 and peak >= 0
