@@ -2,7 +2,7 @@
 entropy from logits, unchunked and at several `chunk_size`s, on the current
 backend. Writes bench/results/chunking_<backend>.{json,md}.
 
-    KERAS_BACKEND=jax python -m bench.chunking [--shape 8192 32000] [--repeats 3]
+    KERAS_BACKEND=jax python -m bench.chunking [--shape 8192 32000] [--repeats 3] [--functions 'kl forward' ...]
 
 Each chunk size runs in a fresh process (bench.run's memory probe: peak
 resident memory above the inputs after warm-up); times are the median of
@@ -48,6 +48,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=int, nargs=2, default=(8192, 32000))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--functions", nargs="+", default=list(FUNCTIONS), choices=list(_LLM_FUNCTIONS))
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # name, chunk: the child process
     args = parser.parse_args()
     shape = tuple(args.shape)
@@ -56,7 +57,7 @@ def main():
         print("RESULT", json.dumps(measure(args.one[0], chunk, shape, args.repeats)))
         return
     rows = []
-    for name in FUNCTIONS:
+    for name in args.functions:
         for chunk in CHUNKS:
             command = [sys.executable, "-m", "bench.chunking", "--shape", *map(str, shape), "--repeats", str(args.repeats), "--one", name, str(chunk).lower()]
             result = subprocess.run(command, capture_output=True, text=True)
@@ -79,7 +80,7 @@ def main():
         "| function | chunk_size | time | × unchunked | peak memory above inputs | × unchunked |",
         "|---|---|---|---|---|---|",
     ]
-    for name in FUNCTIONS:
+    for name in args.functions:
         base = next((r for r in rows if r["function"] == name and r["chunk_size"] is None and "error" not in r), None)
         for r in (r for r in rows if r["function"] == name):
             if "error" in r:

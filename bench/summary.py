@@ -18,21 +18,27 @@ def table():
     reports = {b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BACKENDS if (RESULTS / f"{b}.json").exists()}
     if not reports:
         raise SystemExit("No results yet: run `make bench` first.")
+    from bench.cases import CASES
+
     first = next(iter(reports.values()))
     header = " | ".join(f"{b}: time (memory)" for b in reports)
     lines = [f"| case | reference | target | {header} |", "|---|---|---|" + "---|" * len(reports)]
-    for row in first["cases"]:
-        cells = []
+    peers = ("optax / jax.nn", "raw tf ops", "torch.nn.functional")
+    for case in CASES:
+        cells, reference = [], case.reference
         for report in reports.values():
-            r = next((c for c in report["cases"] if c["case"] == row["case"]), None)
+            r = next((c for c in report["cases"] if c["case"] == case.name), None)
+            if r is not None:
+                reference = r["reference_name"]
             if r is None or "error" in r:
-                cells.append("–" if r is None else "not measured")
+                cells.append("not run yet" if r is None else "not measured")
                 continue
             memory = "" if r["memory_ratio"] is None else f" ({r['memory_ratio']:.2f})"
             mark = "" if r["met"] is None else (" ✓" if r["met"] else " ✗")
             cells.append(f"×{r['time_ratio']:.3f}{memory}{mark}")
-        reference = row["reference_name"] if len(reports) == 1 else row["reference_name"].replace("optax / jax.nn", "native peer")
-        lines.append(f"| {row['case']} | {reference} | {row['target']} | " + " | ".join(cells) + " |")
+        if len(reports) > 1 and reference in peers:
+            reference = "native peer"
+        lines.append(f"| {case.name} | {reference} | {case.target} | " + " | ".join(cells) + " |")
     machine = first["machine"]
     intro = (f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
              "memory ratio in parentheses; ✓/✗ against the target.")
