@@ -45,29 +45,37 @@ def np_entropy(q):
 CASES = {
     **{
         f"kl_{d}": (
-            lambda p, q, d=d: P.kl_divergence(p, q, from_logits=True, direction=d, temperature=T, reduction="none"),
+            lambda p, q, d=d, **kw: P.kl_divergence(p, q, from_logits=True, direction=d, temperature=T, reduction="none", **kw),
             lambda p, q, d=d: np_kl(p, q, d),
         )
         for d in ("forward", "reverse", "symmetric")
     },
     **{
         f"js_beta_{b}": (
-            lambda p, q, b=b: P.js_divergence(p, q, from_logits=True, beta=b, temperature=T, reduction="none"),
+            lambda p, q, b=b, **kw: P.js_divergence(p, q, from_logits=True, beta=b, temperature=T, reduction="none", **kw),
             lambda p, q, b=b: np_js(p, q, b),
         )
         for b in (0.1, 0.5, 0.9)
     },
     "entropy": (
-        lambda p, q: P.entropy(q, from_logits=True, temperature=T, reduction="none"),
+        lambda p, q, **kw: P.entropy(q, from_logits=True, temperature=T, reduction="none", **kw),
         lambda p, q: np_entropy(q),
     ),
 }
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "dtype, chunk_size",
+    # Chunks of 3 rows (of 4: a partial last chunk), cast to float32 one by one.
+    [("bfloat16", None), ("float32", None), ("bfloat16", 3)],
+)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_values_and_gradients_at_llm_settings(name, dtype):
-    ours, oracle = CASES[name]
+def test_values_and_gradients_at_llm_settings(name, dtype, chunk_size):
+    case, oracle = CASES[name]
+
+    def ours(p, q):
+        return case(p, q, chunk_size=chunk_size)
+
     p, q = ops.cast(ops.convert_to_tensor(A), dtype), ops.cast(ops.convert_to_tensor(B), dtype)
     rounded_p = to_numpy(ops.cast(p, "float32")).astype("float64")
     rounded_q = to_numpy(ops.cast(q, "float32")).astype("float64")
