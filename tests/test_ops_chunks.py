@@ -58,7 +58,9 @@ def _expected(values, reduction, mask=None):
 def test_chunked_value_matches_oracle(name, chunk_size):
     ours, oracle = FUNCTIONS[name]
     values = oracle(P_LOGITS, Q_LOGITS)
-    for reduction in ("mean", "sum", "none"):
+    # "sum" is "mean" without the division, tested with masks elsewhere; each
+    # eager JAX call compiles its map, so the grid is kept small.
+    for reduction in ("mean", "none"):
         for mask in (None, MASK):
             got = to_numpy(ours(P_LOGITS, Q_LOGITS, chunk_size=chunk_size, mask=mask, reduction=reduction))
             np.testing.assert_allclose(got, _expected(values, reduction, mask), rtol=1e-5, atol=1e-6)
