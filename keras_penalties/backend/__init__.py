@@ -10,6 +10,8 @@ organises `keras/src/backend/`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
 - `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
   that backend (shared exp under XLA; exp(log_softmax) on TF).
+- `map_chunks(fn, chunks)`: `fn` over the leading axis of a tuple of
+  tensors, stacked (`keras.ops.map`; on torch a loop over `unbind`).
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
@@ -39,6 +41,7 @@ parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
+map_chunks = _module.map_chunks
 sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution

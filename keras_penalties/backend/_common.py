@@ -23,6 +23,12 @@ def sum_of_squares(x):
     return ops.sum(ops.square(x))
 
 
+def map_chunks(fn, chunks):
+    """`fn` over the leading axis of the tuple `chunks`, stacked: a scan
+    (`keras.ops.map`), so XLA keeps one chunk's temporaries at a time."""
+    return ops.map(fn, chunks)
+
+
 def replicas_in_sync():
     return 1
 

@@ -8,6 +8,7 @@ from keras import ops
 
 from keras_penalties.backend._common import (  # noqa: F401
     loss_replicas,
+    map_chunks,
     norm,
     outside_distribution,
     replicas_in_sync,

@@ -11,7 +11,7 @@ import concurrent.futures
 import tensorflow as tf
 from keras import ops
 
-from keras_penalties.backend._common import norm, sum_of_squares  # noqa: F401
+from keras_penalties.backend._common import map_chunks, norm, sum_of_squares  # noqa: F401
 
 
 def gradients(fn, tensors):

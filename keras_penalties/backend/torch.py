@@ -12,6 +12,14 @@ from keras_penalties.backend._common import (  # noqa: F401
 )
 
 
+def map_chunks(fn, chunks):
+    """`fn` over the leading axis of `chunks`, stacked. Keras' torch scan
+    indexes `x[i]`, whose backward pass writes a zero-filled copy of the
+    whole input per chunk (16 chunks of [8192, 32000]: 3.4x the peer's
+    time); `unbind` hands each chunk's gradient back in one stack."""
+    return torch.stack([fn(chunk) for chunk in zip(*(c.unbind(0) for c in chunks))])
+
+
 def sum_of_squares(x):
     """Σx² as one BLAS dot of x with itself: eager square-then-sum writes and
     reads a full copy of x (5-10x one NumPy pass over 10^7 elements)."""

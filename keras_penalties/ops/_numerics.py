@@ -393,5 +393,5 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
     def chunk_values(chunk):
         return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1)
 
-    values = ops.reshape(ops.map(chunk_values, rows), (-1,))
+    values = ops.reshape(backend.map_chunks(chunk_values, rows), (-1,))
     return ops.reshape(values[:n], shape[:-1])
