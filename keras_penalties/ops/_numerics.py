@@ -366,7 +366,8 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
     tensors cast to `compute` first.
 
     With `chunk_size`, the rows of the tensors (every axis but `axis`,
-    flattened) are taken `chunk_size` at a time under `ops.map`, each chunk
+    flattened) are taken `chunk_size` at a time under `backend.map_chunks`
+    (`ops.map`, a scan; a loop over `unbind` on torch), each chunk
     cast and computed inside `keras.remat`: the backward pass recomputes a
     chunk instead of keeping its temporaries, so value + gradient hold
     O(chunk_size × classes) of them rather than O(rows × classes). A map, not
