@@ -1,11 +1,15 @@
-"""`PenaltyMonitor`: every penalty term's value, and gradient norms, in the training logs."""
+"""Callbacks: `PenaltyMonitor` (every penalty term's value, and gradient
+norms, in the training logs) and the adaptive weightings
+`DynamicWeightAverage` and `GradNorm`."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_penalties import _capture, gradients
 from keras_penalties.losses import CompositeLoss
 from keras_penalties.objective import CompositeObjective
+from keras_penalties.ops import _numerics as num
 
 
 def _layers(model):
@@ -24,6 +28,54 @@ def _layers(model):
 def _composite_losses(model):
     losses = getattr(model, "loss", None)
     return [loss for loss in keras.tree.flatten(losses) if isinstance(loss, CompositeLoss)]
+
+
+def _register(model, metrics):
+    """Makes `metrics` part of the model's metrics, and each CompositeLoss's
+    variables part of the model; the next step is traced again if any was new."""
+    added = False
+    for metric in metrics:
+        if not any(m is metric for m in model.metrics):
+            # The model's tracking is locked once built; its own metrics
+            # list is what Model.metrics (and JAX's metrics state) read.
+            model._metrics.append(metric)
+            added = True
+    for loss in _composite_losses(model):
+        added = loss.attach(model) or added
+    if added:
+        # Steps traced before these existed neither update nor carry them:
+        # trace again, once. They then stay, so later fits reuse the step.
+        model.train_function = model.test_function = None
+
+
+def _check_target(target):
+    if isinstance(target, (CompositeObjective, CompositeLoss)):
+        return target
+    if isinstance(target, str) and target:
+        return target
+    raise TypeError(
+        f"`target` must be a CompositeObjective, a CompositeLoss, or the name of one in the model; got {target!r}."
+    )
+
+
+def _find_target(model, target):
+    """The model's CompositeObjective layer or compiled CompositeLoss that
+    `target` is or names; a ValueError naming `target` otherwise."""
+    candidates = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
+    candidates += _composite_losses(model)
+    for candidate in candidates:
+        if candidate is target or candidate.name == target:
+            return candidate
+    shown = target if isinstance(target, str) else f"{type(target).__name__} {target.name!r}"
+    raise ValueError(
+        f"`target` {shown!r} is not a CompositeObjective layer or compiled CompositeLoss of the model; "
+        f"it has {[c.name for c in candidates] or 'none'}."
+    )
+
+
+def _log_weights(target, logs):
+    if logs is not None:
+        logs.update({f"{target.name}/{term}/weight": w for term, w in target.weights_in_use().items()})
 
 
 def _probe_batch(probe_data):
@@ -132,10 +184,8 @@ class _ProbeSources:
     def weights(self):
         """Each term's current effective weight (0 when disabled)."""
         weights = []
-        for objective in self.objectives:
-            weights.extend(float(w) for w in ops.convert_to_numpy(objective.effective_weights()))
-        for loss in self.composite_losses:
-            weights.extend(loss.effective_weights())
+        for owner in self.objectives + self.composite_losses:
+            weights.extend(float(w) for w in ops.convert_to_numpy(owner.effective_weights()))
         weights.extend(1.0 for _ in self.regularizer_keys)
         return weights
 
@@ -231,21 +281,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._register(model)
 
     def _register(self, model):
-        metrics = [self._mirrors[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)]
-        added = False
-        for metric in metrics:
-            if not any(m is metric for m in model.metrics):
-                # The model's tracking is locked once built; its own metrics
-                # list is what Model.metrics (and JAX's metrics state) read.
-                model._metrics.append(metric)
-                added = True
+        _register(model, [self._mirrors[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
         for loss in _composite_losses(model):
             loss.tracker_registered = True
-        if added:
-            # Steps traced before these metrics existed neither update nor
-            # carry them: trace again, once. The metrics then stay, so later
-            # fits reuse the traced step.
-            model.train_function = model.test_function = None
 
     # ------------------------------------------------------------ values
 
@@ -346,6 +384,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._catch_up(logs if logs is not None else {})
+        for owner in self.objectives + _composite_losses(self.model):
+            if owner.weighting is not None:
+                # Learned weights: what the next step uses.
+                _log_weights(owner, logs)
         if logs is not None and self._epoch_probes:
             for key in self._epoch_probes[0]:
                 logs[key] = sum(p[key] for p in self._epoch_probes) / len(self._epoch_probes)
@@ -359,8 +401,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
     # ------------------------------------------------------------ plot
 
     def plot(self):
-        """A matplotlib Figure: each term's contribution (weight × value) and
-        gradient norm over the probed steps. Needs matplotlib and probes."""
+        """A matplotlib Figure: each term's contribution (weight × value),
+        gradient norm and, where it changed (a schedule, an adaptive
+        weighting), weight over the probed steps. Needs matplotlib and probes."""
         try:
             import matplotlib
 
@@ -372,7 +415,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
             raise ValueError("No probes yet: give PenaltyMonitor probe_data and train first.")
         sources, _ = self._probes[id(self._model)]
         steps = [entry["step"] for entry in self.history]
-        rows = 2 if self.grad_norms else 1
+        # Weights that changed while training (schedules, adaptive methods) get a panel.
+        moving = [k for k in sources.term_keys if len({e[f"{k}/weight"] for e in self.history}) > 1]
+        rows = 1 + self.grad_norms + bool(moving)
         figure, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), sharex=True, squeeze=False)
         for key in sources.term_keys:
             axes[0, 0].plot(steps, [e[f"{key}/contribution"] for e in self.history], label=key)
@@ -387,6 +432,218 @@ class PenaltyMonitor(keras.callbacks.Callback):
             axes[1, 0].set_yscale("log")
             axes[1, 0].set_ylabel("weighted ‖∂/∂θ‖")
             axes[1, 0].legend(fontsize="small")
+        if moving:
+            for key in moving:
+                axes[-1, 0].plot(steps, [e[f"{key}/weight"] for e in self.history], label=key)
+            axes[-1, 0].set_ylabel("term weight")
+            axes[-1, 0].legend(fontsize="small")
         axes[-1, 0].set_xlabel("training step")
         figure.tight_layout()
         return figure
+
+
+class DynamicWeightAverage(keras.callbacks.Callback):
+    """Dynamic Weight Average (Liu et al., 2019): weights from how fast each term falls.
+
+    At the end of epoch e ≥ 1 it sets the weights of epoch e + 1 to
+    wᵢ = K·exp(rᵢ/T) / Σⱼ exp(rⱼ/T) with rᵢ = Lᵢ(e) / Lᵢ(e − 1), the ratio of
+    the term's unweighted epoch means (K terms; a term whose previous mean is
+    0 gets r = 1). The first two epochs of each `fit` use weight 1, replacing
+    the Terms' weights. Each epoch's logs (History, TensorBoard) get
+    `"<target>/<term>/weight"`: the weight used during that epoch.
+
+    Args:
+        target: a `CompositeObjective` or `CompositeLoss` of the model, or
+            its name.
+        temperature: T > 0; large T gives equal weights.
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=20, callbacks=[DynamicWeightAverage("objective")])
+    ```
+    """
+
+    def __init__(self, target, temperature=2.0):
+        super().__init__()
+        self.target_spec = _check_target(target)
+        self.temperature = num.positive("temperature", temperature)
+        self.target = None
+        self.epoch_means = []
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.target = _find_target(model, self.target_spec)
+        if self.target.weighting is not None:
+            raise ValueError(
+                f"`target` {self.target.name!r} has weighting={self.target.weighting!r}, which learns its "
+                "weights; DynamicWeightAverage sets them: build it without `weighting`."
+            )
+        if isinstance(self.target, CompositeLoss):
+            _register(model, [self.target.tracker])
+            self.target.tracker_registered = True
+
+    def _set(self, weights):
+        self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
+        for name, weight in zip(self.target.terms, weights):
+            self.target.set_weight(name, float(weight))
+
+    def on_train_begin(self, logs=None):
+        self.epoch_means = []
+        self._set(np.ones(len(self.target.terms)))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if isinstance(self.target, CompositeObjective):
+            self.model  # noqa: B018
+            self.target.reset_running_values(training=True)
+
+    def _epoch_means(self):
+        self.model  # noqa: B018
+        if isinstance(self.target, CompositeObjective):
+            means = self.target.running_values(training=True)
+        else:
+            means = {k.split("/", 1)[1]: float(v) for k, v in self.target.tracker.result().items()}
+        return np.array([means.get(name, np.nan) for name in self.target.terms], "float64")
+
+    def on_epoch_end(self, epoch, logs=None):
+        _log_weights(self.target, logs)
+        self.epoch_means.append(self._epoch_means())
+        if len(self.epoch_means) >= 2:
+            current, previous = self.epoch_means[-1], self.epoch_means[-2]
+            ratios = np.divide(current, previous, out=np.ones_like(current), where=previous != 0)
+            scaled = ratios / self.temperature
+            scaled = np.exp(scaled - scaled.max())
+            self._set(len(scaled) * scaled / scaled.sum())
+
+    def get_config(self):
+        target = self.target_spec if isinstance(self.target_spec, str) else self.target_spec.name
+        return {"target": target, "temperature": self.temperature}
+
+
+class GradNorm(keras.callbacks.Callback):
+    """GradNorm (Chen et al., 2018): weights that balance the terms' gradient norms.
+
+    Every `every_n_batches` training batches it probes `probe_data` (as
+    `PenaltyMonitor` does: compiled once, in inference mode, changing no
+    state) for each term's unweighted value Lᵢ and gradient norm
+    gᵢ = ‖∇_W termᵢ‖ with respect to all of `layer`'s trainable weights W
+    (the last shared layer), and steps the weights:
+    with Gᵢ = wᵢ·gᵢ, Ḡ their mean and rᵢ = (Lᵢ/Lᵢ(0)) / meanⱼ(Lⱼ/Lⱼ(0)),
+
+        wᵢ ← wᵢ − learning_rate · sign(Gᵢ − Ḡ·rᵢ^α) · gᵢ,
+
+    then clips at 0 and rescales so Σwᵢ = K (K terms). Lᵢ(0) is the first
+    probe of each `fit`. The batch logs of a probe (progress bar) and each
+    epoch's logs (History) get `"<target>/<term>/weight"`, the weight in use
+    after the latest probe.
+
+    Args:
+        target: a `CompositeObjective` or `CompositeLoss` of the model, or
+            its name.
+        layer: the shared layer (or its name) whose weights the norms are
+            taken over.
+        alpha: α ≥ 0, how strongly slower terms are pulled up (0: equal norms).
+        learning_rate: the step size of the weights (> 0).
+        probe_data: `(x, y)` or `x`, a fixed batch (`y` is needed for a
+            `CompositeLoss`).
+        every_n_batches: probe every this many training batches (≥ 1).
+
+    Attributes:
+        history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
+            and `"weights"` (after the update), each a dict by term.
+    """
+
+    def __init__(self, target, layer, *, alpha=1.5, learning_rate=0.025, probe_data, every_n_batches=1):
+        super().__init__()
+        self.target_spec = _check_target(target)
+        if not (isinstance(layer, keras.layers.Layer) or (isinstance(layer, str) and layer)):
+            raise TypeError(f"`layer` must be a Layer of the model or its name; got {layer!r}.")
+        self.layer_spec = layer
+        self.alpha = num.non_negative("alpha", alpha)
+        self.learning_rate = num.positive("learning_rate", learning_rate)
+        self.every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
+        if probe_data is None:
+            raise TypeError("`probe_data` is required: GradNorm measures gradient norms on a fixed batch.")
+        self.probe_data = _probe_batch(probe_data)
+        self.target = self.layer = None
+        self.history = []
+        self._probes = {}
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.target = _find_target(model, self.target_spec)
+        if self.target.weighting is not None:
+            raise ValueError(
+                f"`target` {self.target.name!r} has weighting={self.target.weighting!r}, which learns its "
+                "weights; GradNorm sets them: build it without `weighting`."
+            )
+        layers = _layers(model)
+        found = [l for l in layers if l is self.layer_spec or l.name == self.layer_spec]
+        if not found:
+            raise ValueError(f"`layer` {self.layer_spec!r} is not a layer of the model.")
+        self.layer = found[0]
+        if not self.layer.trainable_weights:
+            raise ValueError(f"`layer` {self.layer.name!r} has no trainable weights to take gradient norms over.")
+        if isinstance(self.target, CompositeLoss):
+            if self.probe_data[1] is None:
+                raise ValueError("`probe_data` must be (x, y) for a CompositeLoss target: its terms need y.")
+            _register(model, [])
+
+    def _probe_fn(self):
+        model = self.model  # syncs JAX state
+        if id(model) not in self._probes:
+            target, count = self.target, len(self.target.terms)
+
+            def outputs(x, y):
+                with _capture.capturing([target]) as captured:
+                    y_pred = model(x, training=False)
+                    if isinstance(target, CompositeLoss):
+                        model._compile_loss(y, y_pred)
+                records = captured[id(target)]
+                values = records[0] if len(records) == 1 else sum(records[1:], records[0])
+                return [values[i] for i in range(count)]
+
+            self._probes[id(model)] = gradients.parameter_probe(
+                model, outputs, count, variables=list(self.layer.trainable_weights)
+            )
+        return self._probes[id(model)]
+
+    def on_train_begin(self, logs=None):
+        self._step = 0
+        self._initial = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step % self.every_n_batches:
+            return
+        values, norms = self._probe_fn()(*self.probe_data)
+        values, norms = np.asarray(values, "float64"), np.asarray(norms, "float64")
+        if self._initial is None:
+            self._initial = values
+        weights = np.array(list(self.target.weights_in_use().values()), "float64")
+        new = gradnorm_step(weights, values, norms, self._initial, self.alpha, self.learning_rate)
+        for name, weight in zip(self.target.terms, new):
+            self.target.set_weight(name, float(weight))
+        names = list(self.target.terms)
+        self.history.append({
+            "step": self._step,
+            "values": dict(zip(names, values.tolist())),
+            "grad_norms": dict(zip(names, norms.tolist())),
+            "weights": dict(zip(names, new.tolist())),
+        })
+        _log_weights(self.target, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model  # noqa: B018
+        _log_weights(self.target, logs)
+
+
+def gradnorm_step(weights, values, norms, initial, alpha, learning_rate):
+    """One GradNorm update of the weights (NumPy, float64), as `GradNorm` documents."""
+    weighted = weights * norms
+    ratios = np.divide(values, initial, out=np.ones_like(values), where=initial != 0)
+    relative = ratios / ratios.mean() if ratios.mean() > 0 else np.ones_like(ratios)
+    goal = weighted.mean() * relative**alpha
+    new = np.maximum(weights - learning_rate * np.sign(weighted - goal) * norms, 0.0)
+    total = new.sum()
+    return new * len(new) / total if total > 0 else np.ones_like(new)

@@ -173,7 +173,7 @@ def interpolated_gradient_penalty(fn, real, fake, *, target=1.0, seed=None):
     return gradient_penalty(fn, mixed, target=target)
 
 
-def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
+def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True, variables=None):
     """Builds, once, a probe of a model's penalty terms and their gradient norms.
 
     `outputs_fn(x, y)` is backend-agnostic code that calls the model and
@@ -185,11 +185,12 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True):
     trackers) is discarded, so probing changes no state. Under a distribution
     strategy it runs as one device on the whole batch. The returned
     `probe(x, y)` gives `(values, norms)` as NumPy arrays, `norms[i]` being
-    ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables` (`None` when
-    `grad_norms` is false). It is compiled once (jax.jit, tf.function) and
-    leaves no `.grad` on torch tensors.
+    ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables`, or over
+    `variables` (some of them, e.g. one layer's weights) when given (`None`
+    when `grad_norms` is false). It is compiled once (jax.jit, tf.function)
+    and leaves no `.grad` on torch tensors.
     """
-    trainable = list(model.trainable_variables)
+    trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
 
     def outputs(trainable_values, other_values, x, y):

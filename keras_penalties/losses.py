@@ -8,18 +8,26 @@ output. All round-trip through `get_config`/`from_config` and are registered
 under the package `"keras_penalties.losses"`.
 """
 
+import sys
+import weakref
+
 import keras
+import numpy as np
 from keras import ops
 
 from keras_penalties import _capture, backend
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.objective import (
+    WeightControl,
     as_float32,
     build_terms,
+    check_weighting,
     deserialize_terms,
     scalar,
     serialize_terms,
+    uncertainty_offset,
+    uncertainty_weights,
     whole_batch_values,
 )
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
@@ -262,8 +270,53 @@ class TermMeans(keras.metrics.Metric):
         return {key: means[i] for i, key in enumerate(self.keys)}
 
 
+class LossState(keras.layers.Layer):
+    """The variables of a `CompositeLoss`: its term weights and enabled flags
+    (float32, never autocast) and, with `weighting="uncertainty"`, the
+    trainable log-variances. Keras gives a loss no model, so the loss adds this
+    layer to the model that compiles it (see `CompositeLoss.attach`); its
+    variables then travel in the model's training state like a layer's, and
+    `.keras` files save them with the loss."""
+
+    def __init__(self, terms, weighting, name):
+        super().__init__(name=name, trainable=True, autocast=False)
+        n = len(terms)
+
+        def state(name, values, trainable=False):
+            values = np.asarray(values, "float32")
+            return keras.Variable(
+                initializer=values, shape=values.shape, dtype="float32", trainable=trainable, autocast=False,
+                aggregation="mean" if trainable else "only_first_replica", name=name,
+            )
+
+        self.term_weights = state("term_weights", [t.weight for t in terms.values()])
+        self.term_enabled = state("term_enabled", [float(t.enabled) for t in terms.values()])
+        self.log_variances = state("log_variances", np.zeros(n), trainable=True) if weighting else None
+        self.built = True
+
+    def call(self, inputs):
+        return inputs
+
+
+def _calling_model(loss):
+    """The model whose compiled loss holds `loss`, if this call comes from
+    its `compute_loss` (Keras calls a compiled loss nowhere else): found
+    among the callers' frames, since Keras hands a loss no model."""
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, keras.Model) and any(
+            item is loss for item in keras.tree.flatten(getattr(candidate, "loss", None))
+        ):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class CompositeLoss(keras.losses.Loss):
+class CompositeLoss(WeightControl, keras.losses.Loss):
     """A weighted sum of named losses: Σ wᵢ·lossᵢ(y_true, y_pred).
 
     Each term reduces itself (with its own `reduction`, the sample weights and
@@ -275,14 +328,25 @@ class CompositeLoss(keras.losses.Loss):
     Keras' own losses are, a sum over samples is not. With `PenaltyMonitor` in `fit`'s callbacks, each term's
     unweighted batch value appears in the logs as `"<loss name>/<term>"`.
 
+    Weights live in variables: `set_weight`, `enable` and `disable` (from a
+    callback, as for a `CompositeObjective`) take effect on the next step of
+    a compiled `fit` without retracing, on every backend. Keras gives a loss
+    no reference to its model, so the loss adds its variables (a `LossState`
+    layer) to the model that compiles it when that model first computes it:
+    `model.weights` then lists them, and `model.layers` of a subclassed model
+    shows the layer.
+
     Args:
         terms: dict name → `keras.losses.Loss`, or a `Term` over a Loss or an
             ops function (called as `fn(y_true, y_pred, **options)` when it
             takes two tensors, else `fn(y_pred, **options)`; it must return a
             scalar).
         weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
-            need per-step state that a compiled loss cannot carry on every
-            backend: use a `CompositeObjective` for them.
+            need the step count that a `CompositeObjective` layer carries:
+            use one for them.
+        weighting: None, or `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
+            trainable sᵢ per term, trained by the model's optimizer (see
+            `CompositeObjective`).
         name, dtype: as for any `keras.losses.Loss`.
 
     Example:
@@ -297,9 +361,11 @@ class CompositeLoss(keras.losses.Loss):
     0.6862
     """
 
-    def __init__(self, terms, weights=None, name="composite_loss", dtype=None):
+    def __init__(self, terms, weights=None, name="composite_loss", dtype=None, weighting=None):
+        weighting = check_weighting(weighting)
         super().__init__(name=name, dtype=dtype)
         self.terms = build_terms(terms, weights)
+        self.weighting = weighting
         for term_name, term in self.terms.items():
             if term.scheduled:
                 raise ValueError(
@@ -312,9 +378,57 @@ class CompositeLoss(keras.losses.Loss):
                     "`inputs` applies to CompositeObjective."
                 )
         self._sums = [t.sums_over_samples for t in self.terms.values()]
+        self.state = LossState(self.terms, weighting, name=f"{self.name}_state")
         self.tracker = TermMeans(self.name, list(self.terms))
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
+        self._attached = []  # weak references to the models holding `state`
+
+    @property
+    def term_weights(self):
+        return self.state.term_weights
+
+    @property
+    def term_enabled(self):
+        return self.state.term_enabled
+
+    @property
+    def log_variances(self):
+        return self.state.log_variances
+
+    def _weight_was_set(self, index):
+        pass
+
+    def attach(self, model):
+        """Adds the loss's variables to `model` (once); returns whether they
+        were new to it. The loss does so itself when `model` first computes
+        it (its symbolic build, at the start of `fit`/`evaluate`), and the
+        package's callbacks do in `set_model`."""
+        host = model
+        if isinstance(model, keras.Sequential) and model._layers and isinstance(
+            model._layers[0], keras.layers.InputLayer
+        ):
+            # A Sequential's own layer list is its forward pass and its
+            # config; its input layer's sublayers are only collected.
+            host = model._layers[0]
+        self._attached = [ref for ref in self._attached if ref() is not None]
+        if any(ref() is model for ref in self._attached):
+            return False
+        self._attached.append(weakref.ref(model))
+        if any(v is self.term_weights for v in model.variables):
+            return False
+        host._layers.append(self.state)
+        return True
+
+    def current_weights(self):
+        """The weight vector of the next step (½·exp(−sᵢ) under uncertainty)."""
+        if self.log_variances is not None:
+            return uncertainty_weights(self.log_variances.value)
+        return self.term_weights.value
+
+    def effective_weights(self):
+        """Each term's weight in the total, 0 for a disabled term."""
+        return self.current_weights() * self.term_enabled.value
 
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
         """The term's unweighted float32 value on this replica's batch, as one
@@ -330,6 +444,10 @@ class CompositeLoss(keras.losses.Loss):
         return scalar(name, term(y_pred))
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        if not self._attached:
+            model = _calling_model(self)
+            if model is not None:
+                self.attach(model)
         y_true, y_pred = as_float32(y_true), as_float32(y_pred)
         values = ops.stack(
             [
@@ -338,22 +456,19 @@ class CompositeLoss(keras.losses.Loss):
             ]
         )
         values = whole_batch_values(values, self._sums)
-        weights = ops.convert_to_tensor(self.effective_weights(), "float32")
         _capture.record(self, values)
         if self.tracker_registered:
             # The tracker's sums add up over replicas and steps; its count
             # too, so it reports the mean of the replicas' values.
             self.tracker.update_state(values)
-        total = ops.sum(values * weights)
+        total = ops.sum(values * self.effective_weights())
+        if self.log_variances is not None:
+            total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)
         divisor = backend.loss_replicas()
         if divisor > 1:
             # As Keras' own losses do: the replicas' gradients are summed.
             total = total / float(divisor)
         return ops.cast(total, self.dtype)
-
-    def effective_weights(self):
-        """Each term's weight in the total, 0 for a disabled term."""
-        return [t.weight if t.enabled else 0.0 for t in self.terms.values()]
 
     def call(self, y_true, y_pred):
         return self(y_true, y_pred)
@@ -363,6 +478,7 @@ class CompositeLoss(keras.losses.Loss):
             "name": self.name,
             "dtype": self.dtype,
             "terms": serialize_terms(self.terms),
+            "weighting": self.weighting,
         })
 
     @classmethod

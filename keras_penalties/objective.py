@@ -50,6 +50,26 @@ def _is_schedule(weight):
     )
 
 
+_check_weighting = num.optional(num.choice("uncertainty"))
+
+
+def check_weighting(weighting):
+    """`weighting`: None (the terms' own weights) or "uncertainty"."""
+    if weighting is not None and not isinstance(weighting, str):
+        raise TypeError(f"`weighting` must be None or 'uncertainty'; got {weighting!r}.")
+    return _check_weighting("weighting", weighting)
+
+
+def uncertainty_weights(log_variances):
+    """Kendall et al. (2018), as LibMTL: term i weighs ½·exp(−sᵢ)."""
+    return 0.5 * ops.exp(-log_variances)
+
+
+def uncertainty_offset(log_variances, enabled):
+    """The ½·Σsᵢ the uncertainty-weighted total adds, over enabled terms."""
+    return 0.5 * ops.sum(log_variances * enabled)
+
+
 def check_weight(name, weight):
     """A term weight: a number ≥ 0 and finite, or a schedule of the step that
     is ≥ 0 at step 0."""
@@ -345,8 +365,68 @@ def scalar(name, value):
     return ops.cast(value, "float32")
 
 
+class WeightControl:
+    """`set_weight`, `enable` and `disable` over variables, for a
+    `CompositeObjective` and a `CompositeLoss`: they need `terms`,
+    `weighting`, `term_weights`, `term_enabled`, `log_variances` and
+    `_weight_was_set(index)`."""
+
+    def _index(self, name):
+        if name not in self.terms:
+            raise ValueError(f"Unknown term {name!r}; terms are {list(self.terms)}.")
+        return list(self.terms).index(name)
+
+    def _assign_entry(self, variable, index, value):
+        array = np.array(ops.convert_to_numpy(variable))
+        array[index] = value
+        variable.assign(array)
+
+    def set_weight(self, name, weight):
+        """Sets a term's weight to a number from the next step on, without retracing.
+
+        A number replaces the term's schedule, if it had one. Schedules are part
+        of the traced step and are set at construction. Inside `fit`, call it
+        from a callback; on JAX reach the objective through the callback's
+        `self.model` first (e.g. `self.model.get_layer(...)`), which syncs
+        Keras' training state, as for any variable changed by a callback. With
+        `weighting="uncertainty"` the weights are learned: a `ValueError`.
+        """
+        index = self._index(name)
+        if self.weighting is not None:
+            raise ValueError(
+                f"set_weight: {self.name!r} has weighting={self.weighting!r}, which learns its "
+                "weights; build it without `weighting` to set them."
+            )
+        if _is_schedule(weight):
+            raise TypeError(
+                f"set_weight takes a number; term {name!r} got a schedule. Schedules are "
+                "traced into the training step, so give them when building the objective."
+            )
+        weight = num.non_negative("weight", weight)
+        self._assign_entry(self.term_weights, index, weight)
+        self._weight_was_set(index)
+        self.terms[name].weight = weight
+
+    def enable(self, name):
+        """Counts the term in the total from the next step on."""
+        self._assign_entry(self.term_enabled, self._index(name), 1.0)
+        self.terms[name].enabled = True
+
+    def disable(self, name):
+        """Leaves the term out of the total from the next step on; its value is
+        still computed and reported."""
+        self._assign_entry(self.term_enabled, self._index(name), 0.0)
+        self.terms[name].enabled = False
+
+    def weights_in_use(self):
+        """Each term's weight for the next step as a float (a disabled term's
+        too): `{name: weight}`; ½·exp(−sᵢ) under uncertainty weighting."""
+        weights = ops.convert_to_numpy(self.current_weights())
+        return {name: float(weights[i]) for i, name in enumerate(self.terms)}
+
+
 @keras.saving.register_keras_serializable(package="keras_penalties")
-class CompositeObjective(keras.layers.Layer):
+class CompositeObjective(WeightControl, keras.layers.Layer):
     """A pass-through layer that adds Σ wᵢ·termᵢ of its inputs to the model's loss.
 
     Place it on activations (or a dict of them) inside a model: it returns its
@@ -360,6 +440,11 @@ class CompositeObjective(keras.layers.Layer):
         weights: optional dict name → number or schedule, overriding the
             terms' own weights.
         name: the layer name, also the prefix of the logged values.
+        weighting: None (the terms' weights), or `"uncertainty"` (Kendall et
+            al., 2018, as LibMTL): a trainable log-variance sᵢ per term,
+            initially 0, trained by the model's optimizer; the total is
+            Σ ½·exp(−sᵢ)·termᵢ + ½·sᵢ over enabled terms, the terms' own
+            weights are ignored, and the weight reported is ½·exp(−sᵢ).
 
     Example:
 
@@ -372,11 +457,13 @@ class CompositeObjective(keras.layers.Layer):
     (0.6931, 1.3863)
     """
 
-    def __init__(self, terms, weights=None, name=None, **kwargs):
+    def __init__(self, terms, weights=None, name=None, weighting=None, **kwargs):
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
+        weighting = check_weighting(weighting)
         super().__init__(name=name, **kwargs)
         self.terms = build_terms(terms, weights)
+        self.weighting = weighting
         self.supports_masking = True
         n = len(self.terms)
         # Fixed for the life of the layer: the traced step evaluates these.
@@ -411,6 +498,15 @@ class CompositeObjective(keras.layers.Layer):
         # 0 for training calls, row 1 for the others (evaluate, predict).
         self.value_sums = state("value_sums", np.zeros((2, n)), aggregation="mean", local=True)
         self.value_counts = state("value_counts", np.zeros(2), aggregation="mean", local=True)
+        # weighting="uncertainty": each term's log-variance sᵢ, trained by the
+        # model's optimizer (float32, never autocast, like the state above).
+        self.log_variances = None
+        if weighting == "uncertainty":
+            with keras.name_scope(self.name, caller=self):
+                self.log_variances = keras.Variable(
+                    initializer=np.zeros(n, "float32"), shape=(n,), dtype="float32", trainable=True,
+                    autocast=False, name="log_variances",
+                )
 
     # ------------------------------------------------------------ computation
 
@@ -458,6 +554,8 @@ class CompositeObjective(keras.layers.Layer):
         return ops.stack([self._term_value(name, inputs) for name in self.terms])
 
     def _weights_at(self, step):
+        if self.log_variances is not None:
+            return uncertainty_weights(self.log_variances.value)
         if not self._scheduled.any():
             return self.term_weights.value
         scheduled = ops.stack(
@@ -483,7 +581,10 @@ class CompositeObjective(keras.layers.Layer):
 
     def _total(self, values, weights=None):
         weights = self.current_weights() if weights is None else weights
-        return ops.sum(values * weights * self.term_enabled.value)
+        total = ops.sum(values * weights * self.term_enabled.value)
+        if self.log_variances is not None:
+            total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)
+        return total
 
     def _pass(self, training):
         """The state of the forward pass this call belongs to.
@@ -554,49 +655,9 @@ class CompositeObjective(keras.layers.Layer):
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
 
-    # ------------------------------------------------------------ control
-
-    def _index(self, name):
-        if name not in self.terms:
-            raise ValueError(f"Unknown term {name!r}; terms are {list(self.terms)}.")
-        return list(self.terms).index(name)
-
-    def _assign_entry(self, variable, index, value):
-        array = np.array(ops.convert_to_numpy(variable))
-        array[index] = value
-        variable.assign(array)
-
-    def set_weight(self, name, weight):
-        """Sets a term's weight to a number from the next step on, without retracing.
-
-        A number replaces the term's schedule, if it had one. Schedules are part
-        of the traced step and are set at construction. Inside `fit`, call it
-        from a callback; on JAX reach the layer through the callback's
-        `self.model` (e.g. `self.model.get_layer(...)`), which syncs Keras'
-        training state first, as for any variable changed by a callback.
-        """
-        index = self._index(name)
-        if _is_schedule(weight):
-            raise TypeError(
-                f"set_weight takes a number; term {name!r} got a schedule. Schedules are "
-                "traced into the training step, so give them when building the objective."
-            )
-        weight = num.non_negative("weight", weight)
-        self._assign_entry(self.term_weights, index, weight)
+    def _weight_was_set(self, index):
         if self._scheduled[index]:
             self._assign_entry(self.weight_overridden, index, 1.0)
-        self.terms[name].weight = weight
-
-    def enable(self, name):
-        """Counts the term in the total from the next step on."""
-        self._assign_entry(self.term_enabled, self._index(name), 1.0)
-        self.terms[name].enabled = True
-
-    def disable(self, name):
-        """Leaves the term out of the total from the next step on; its value is
-        still computed and reported."""
-        self._assign_entry(self.term_enabled, self._index(name), 0.0)
-        self.terms[name].enabled = False
 
     # ------------------------------------------------------------ reporting
 
@@ -665,7 +726,9 @@ class CompositeObjective(keras.layers.Layer):
         }
 
     def get_config(self):
-        return with_hint({**super().get_config(), "terms": serialize_terms(self.terms)})
+        return with_hint(
+            {**super().get_config(), "terms": serialize_terms(self.terms), "weighting": self.weighting}
+        )
 
     @classmethod
     def from_config(cls, config):
