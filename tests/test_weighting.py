@@ -1,0 +1,376 @@
+"""Adaptive weighting (SPEC §9): uncertainty weighting, DynamicWeightAverage,
+GradNorm and live CompositeLoss weights, each against its formula on a
+problem small enough to follow by hand (NumPy reimplements the training)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_penalties import CompositeObjective, Term
+from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor
+from keras_penalties.losses import CompositeLoss
+from tests.testing import save_and_load, to_numpy
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(8, 3)).astype("float32")
+Y = (RNG.normal(size=(8, 2)) * np.array([10.0, 0.1])).astype("float32")  # two scales
+KERNEL = RNG.normal(size=(3, 2)).astype("float32")
+
+
+@pytest.fixture
+def policy(request):
+    keras.config.set_dtype_policy(request.param)
+    yield request.param
+    keras.config.set_dtype_policy("float32")
+
+
+def _terms_of(h):
+    """The oracle's l2 and l1 values with the objective's default batch mean."""
+    h = h.astype(np.float64)
+    return np.array([np.sum(h**2) / len(h), np.sum(np.abs(h)) / len(h)])
+
+
+def _uncertainty_steps(values_fn, steps, lr):
+    """SGD on s from 0 for Σ ½·exp(−sᵢ)·Lᵢ + ½·sᵢ: ∂/∂sᵢ = ½ − ½·exp(−sᵢ)·Lᵢ."""
+    s = np.zeros(2)
+    for _ in range(steps):
+        s = s - lr * (0.5 - 0.5 * np.exp(-s) * values_fn())
+    return s
+
+
+# ---------------------------------------------------------------- uncertainty weighting
+
+
+def test_uncertainty_total_and_report_follow_the_formula():
+    objective = CompositeObjective({"a": "l2", "b": "l1"}, weighting="uncertainty")
+    s = np.array([0.3, -0.5], "float32")
+    objective.log_variances.assign(s)
+    values = _terms_of(X)
+    expected = np.sum(0.5 * np.exp(-s) * values + 0.5 * s)
+    total, got = objective.compute(X)
+    np.testing.assert_allclose(to_numpy(total), expected, rtol=1e-5)
+    report = objective.report(X)
+    np.testing.assert_allclose(report["regularizer_total"], expected, rtol=1e-5)
+    for i, name in enumerate("ab"):
+        np.testing.assert_allclose(report["regularizers"][name]["weight"], 0.5 * np.exp(-s[i]), rtol=1e-6)
+        np.testing.assert_allclose(to_numpy(got[name]), values[i], rtol=1e-5)
+    # A disabled term leaves both its parts out.
+    objective.disable("b")
+    np.testing.assert_allclose(
+        to_numpy(objective.compute(X)[0]), 0.5 * np.exp(-s[0]) * values[0] + 0.5 * s[0], rtol=1e-5
+    )
+
+
+def _objective_model(weighting="uncertainty"):
+    inputs = keras.Input((3,))
+    h = CompositeObjective({"a": "l2", "b": "l1"}, weighting=weighting, name="obj")(inputs)
+    out = keras.layers.Dense(1, kernel_initializer="zeros", trainable=False)(h)
+    model = keras.Model(inputs, out)
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
+def test_objective_log_variances_are_trained_by_the_optimizer(policy, tmp_path):
+    model = _objective_model()
+    monitor = PenaltyMonitor()
+    history = model.fit(X, np.zeros((8, 1), "float32"), batch_size=8, epochs=3, verbose=0, callbacks=[monitor])
+    objective = model.get_layer("obj")
+    assert keras.backend.standardize_dtype(objective.log_variances.dtype) == "float32"
+    expected = _uncertainty_steps(lambda: _terms_of(X), 3, 0.1)
+    np.testing.assert_allclose(to_numpy(objective.log_variances), expected, rtol=1e-5, atol=1e-7)
+    # The logged weight is ½·exp(−s), the one the next step uses.
+    np.testing.assert_allclose(history.history["obj/a/weight"][-1], 0.5 * np.exp(-expected[0]), rtol=1e-5)
+    loaded = save_and_load(model, tmp_path)
+    np.testing.assert_allclose(to_numpy(loaded.get_layer("obj").log_variances), expected, rtol=1e-6)
+    assert loaded.get_layer("obj").weighting == "uncertainty"
+
+
+def _frozen_head(kind="functional"):
+    """A model whose output is X @ KERNEL (not trained), so the losses are known."""
+    dense = keras.layers.Dense(2, use_bias=False, trainable=False)
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((3,)), dense])
+    else:
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, dense(inputs))
+    dense.kernel.assign(KERNEL)
+    return model
+
+
+def _losses(pred):
+    pred, y = pred.astype(np.float64), Y.astype(np.float64)
+    return np.array([np.mean((pred - y) ** 2), np.mean(np.abs(pred - y))])
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_composite_loss_log_variances_are_trained_without_passing_the_model(kind, tmp_path):
+    model = _frozen_head(kind)
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="uncertainty"
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss=loss)
+    history = model.fit(X, Y, batch_size=8, epochs=3, verbose=0)
+    expected = _uncertainty_steps(lambda: _losses(X @ KERNEL), 3, 0.1)
+    np.testing.assert_allclose(to_numpy(loss.log_variances), expected, rtol=1e-5)
+    # The model's loss is the weighted total, offset included (first epoch: s = 0).
+    np.testing.assert_allclose(history.history["loss"][0], 0.5 * _losses(X @ KERNEL).sum(), rtol=1e-5)
+    assert len(model.layers) == 1 + (kind == "functional")  # the state is not a layer of the forward pass
+    loaded = save_and_load(model, tmp_path)
+    np.testing.assert_allclose(to_numpy(loaded.loss.log_variances), expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(loaded.predict(X, verbose=0)), X @ KERNEL, rtol=1e-5, atol=1e-6
+    )
+
+
+# ---------------------------------------------------------------- live CompositeLoss weights
+
+
+class _SetAt(keras.callbacks.Callback):
+    """At the start of batch `at`: sets the loss's weights, and records which
+    traced step ran before and after."""
+
+    def __init__(self, at, change):
+        super().__init__()
+        self.at, self.change, self.functions = at, change, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model  # noqa: B018 -- syncs JAX state before the variables change
+        if batch == self.at:
+            self.change(self.model.loss)
+        self.functions.append(self.model.train_function)
+
+
+def test_composite_loss_weights_change_during_fit_without_retracing():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2, use_bias=False, kernel_initializer="ones")(inputs))
+    loss = CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
+    model.compile(keras.optimizers.SGD(0.05), loss=loss)
+
+    def change(loss):
+        loss.set_weight("mse", 0.25)
+        loss.disable("mae")
+
+    setter = _SetAt(2, change)
+    model.fit(X, Y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[setter])
+    assert all(f is setter.functions[0] for f in setter.functions)
+    # SGD on the linear model by hand: ∂mse/∂W = 2·xᵀ(p − y)/(B·2), ∂mae/∂W = xᵀsign(p − y)/(B·2).
+    w = np.ones((3, 2))
+    for batch in range(4):
+        x, y = X[2 * batch : 2 * batch + 2].astype(np.float64), Y[2 * batch : 2 * batch + 2].astype(np.float64)
+        p = x @ w
+        grad_mse, grad_mae = 2 * x.T @ (p - y) / p.size, x.T @ np.sign(p - y) / p.size
+        w = w - 0.05 * ((grad_mse + grad_mae) if batch < 2 else 0.25 * grad_mse)
+    np.testing.assert_allclose(to_numpy(model.layers[-1].kernel), w, rtol=1e-5)
+    assert loss.get_config()["terms"]["mae"]["config"]["enabled"] is False
+
+
+# ---------------------------------------------------------------- Dynamic Weight Average
+
+
+def _trainable_model(loss):
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="shared")(inputs)
+    h = CompositeObjective({"a": "l2", "b": "l1"}, name="obj")(h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    model.compile(keras.optimizers.SGD(0.02), loss=loss)
+    return model
+
+
+def _dwa_oracle(means, temperature):
+    """Weights per epoch: 1 for epochs 0 and 1, then K·softmax(r/T), r = L(e−1)/L(e−2)."""
+    means = np.asarray(means, np.float64)
+    weights = [np.ones(means.shape[1]), np.ones(means.shape[1])]
+    for e in range(2, len(means)):
+        r = means[e - 1] / means[e - 2] / temperature
+        weights.append(len(r) * np.exp(r) / np.exp(r).sum())
+    return np.array(weights)
+
+
+def test_dynamic_weight_average_on_a_composite_loss():
+    keras.utils.set_random_seed(0)
+    loss = CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
+    model = _trainable_model(loss)
+    dwa = DynamicWeightAverage("composite_loss", temperature=0.5)
+    logs = model.fit(X, Y, batch_size=4, epochs=5, verbose=0, callbacks=[dwa]).history
+    means = np.stack([logs["composite_loss/mse"], logs["composite_loss/mae"]], axis=1)
+    weights = np.stack([logs["composite_loss/mse/weight"], logs["composite_loss/mae/weight"]], axis=1)
+    np.testing.assert_allclose(weights, _dwa_oracle(means, 0.5), rtol=1e-5)
+    assert not np.allclose(weights[-1], 1.0)
+    # The weights were the ones trained with: the model's loss, less the
+    # objective's terms, is Σ wᵢ·L̄ᵢ in each epoch.
+    keras.utils.set_random_seed(0)
+    model = _trainable_model(
+        CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
+    )
+    logs = model.fit(
+        X, Y, batch_size=4, epochs=4, verbose=0, callbacks=[DynamicWeightAverage("composite_loss"), PenaltyMonitor()]
+    ).history
+    means = np.stack([logs["composite_loss/mse"], logs["composite_loss/mae"]], axis=1)
+    weights = np.stack([logs["composite_loss/mse/weight"], logs["composite_loss/mae/weight"]], axis=1)
+    np.testing.assert_allclose(
+        np.asarray(logs["loss"]) - np.asarray(logs["obj/a"]) - np.asarray(logs["obj/b"]),
+        np.sum(weights * means, axis=1),
+        rtol=1e-4,
+    )
+
+
+def test_dynamic_weight_average_on_an_objective():
+    keras.utils.set_random_seed(1)
+    model = _trainable_model("mse")
+    logs = model.fit(
+        X, Y, batch_size=4, epochs=4, verbose=0, callbacks=[PenaltyMonitor(), DynamicWeightAverage("obj")]
+    ).history
+    means = np.stack([logs["obj/a"], logs["obj/b"]], axis=1)
+    weights = np.stack([logs["obj/a/weight"], logs["obj/b/weight"]], axis=1)
+    np.testing.assert_allclose(weights, _dwa_oracle(means, 2.0), rtol=1e-5)
+    # After the last epoch it set the weights of the next one.
+    r = means[-1] / means[-2] / 2.0
+    np.testing.assert_allclose(
+        list(model.get_layer("obj").weights_in_use().values()), 2 * np.exp(r) / np.exp(r).sum(), rtol=1e-5
+    )
+
+
+# ---------------------------------------------------------------- GradNorm
+
+
+class _SharedAtBatchEnd(keras.callbacks.Callback):
+    """The shared layer's kernel and bias after each batch (listed before GradNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        layer = self.model.get_layer("shared")
+        self.weights.append([to_numpy(v).astype(np.float64) for v in (layer.kernel, layer.bias)])
+
+
+def _gradnorm_oracle(history, alpha, lr):
+    """The weights after each probe, from the probes' values and norms (SPEC §9)."""
+    w, initial, out = np.ones(2), None, []
+    for entry in history:
+        values = np.array(list(entry["values"].values()))
+        norms = np.array(list(entry["grad_norms"].values()))
+        initial = values if initial is None else initial
+        ratio = values / initial
+        r = ratio / ratio.mean()
+        big_g = w * norms
+        w = np.clip(w - lr * np.sign(big_g - big_g.mean() * r**alpha) * norms, 0.0, None)
+        w = 2 * w / w.sum()
+        out.append(w)
+    return np.array(out)
+
+
+def test_gradnorm_norms_and_updates_follow_the_formula():
+    keras.utils.set_random_seed(2)
+    model = _trainable_model("mse")
+    xp, yp = X[:4].astype(np.float64), Y[:4]
+    recorder = _SharedAtBatchEnd()
+    gradnorm = GradNorm("obj", "shared", alpha=1.5, learning_rate=0.1, probe_data=(X[:4], yp))
+    logs = model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[recorder, gradnorm]).history
+    assert len(gradnorm.history) == 4
+    for (kernel, bias), entry in zip(recorder.weights, gradnorm.history):
+        # h = x·W + b; l2 = Σh²/B and l1 = Σ|h|/B, differentiated by hand
+        # with respect to both of the shared layer's weights.
+        h = xp @ kernel + bias
+        n = len(h)
+        values = [np.sum(h**2) / n, np.sum(np.abs(h)) / n]
+        norms = [
+            np.sqrt(np.sum((2 * xp.T @ h / n) ** 2) + np.sum((2 * h.sum(0) / n) ** 2)),
+            np.sqrt(np.sum((xp.T @ np.sign(h) / n) ** 2) + np.sum((np.sign(h).sum(0) / n) ** 2)),
+        ]
+        np.testing.assert_allclose(list(entry["values"].values()), values, rtol=1e-5)
+        np.testing.assert_allclose(list(entry["grad_norms"].values()), norms, rtol=1e-5)
+    expected = _gradnorm_oracle(gradnorm.history, 1.5, 0.1)
+    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-6)
+    assert not np.allclose(expected[-1], 1.0)
+    # Logged per epoch: the weight in use after the epoch's last probe.
+    np.testing.assert_allclose([logs["obj/a/weight"], logs["obj/b/weight"]], expected[[1, 3]].T, rtol=1e-6)
+    np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-6)
+
+
+def test_gradnorm_on_a_composite_loss_leaves_training_as_it_would_be_with_those_weights():
+    """The probe changes nothing but the weights: training with GradNorm at
+    learning_rate → 0 is training without it."""
+    def run(callbacks):
+        keras.utils.set_random_seed(3)
+        model = _trainable_model(
+            CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
+        )
+        model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return [to_numpy(v) for v in model.trainable_variables]
+
+    gradnorm = GradNorm("composite_loss", "shared", learning_rate=1e-12, probe_data=(X[:4], Y[:4]))
+    for a, b in zip(run([gradnorm]), run([])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert len(gradnorm.history) == 4 and all(np.isfinite(list(e["grad_norms"].values())).all() for e in gradnorm.history)
+
+
+# ---------------------------------------------------------------- errors and serialization
+
+
+def test_weighting_errors_name_the_argument():
+    with pytest.raises(ValueError, match="`weighting`"):
+        CompositeObjective({"a": "l2"}, weighting="softmax")
+    with pytest.raises(TypeError, match="`weighting`"):
+        CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting=1)
+    objective = CompositeObjective({"a": "l2"}, weighting="uncertainty")
+    with pytest.raises(ValueError, match="learns its weights"):
+        objective.set_weight("a", 2.0)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: DynamicWeightAverage(3), TypeError, "`target`"),
+        (lambda: DynamicWeightAverage("obj", temperature=0.0), ValueError, "`temperature`"),
+        (lambda: GradNorm("obj", "shared", alpha=-1.0, probe_data=X), ValueError, "`alpha`"),
+        (lambda: GradNorm("obj", "shared", learning_rate=0.0, probe_data=X), ValueError, "`learning_rate`"),
+        (lambda: GradNorm("obj", "shared", probe_data=None), TypeError, "`probe_data`"),
+        (lambda: GradNorm("obj", 3, probe_data=X), TypeError, "`layer`"),
+        (lambda: GradNorm("obj", "shared", probe_data=X, every_n_batches=0), ValueError, "`every_n_batches`"),
+    ],
+)
+def test_callback_argument_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: DynamicWeightAverage("missing"), "`target` 'missing'"),
+        (lambda: GradNorm("missing", "shared", probe_data=X), "`target` 'missing'"),
+        (lambda: GradNorm("obj", "nowhere", probe_data=X), "`layer` 'nowhere'"),
+        (lambda: GradNorm("obj", "obj", probe_data=X), "no trainable weights"),
+        (lambda: GradNorm("composite_loss", "shared", probe_data=X), "`probe_data` must be"),
+    ],
+)
+def test_callbacks_check_the_model(make, match):
+    model = _trainable_model(CompositeLoss({"mse": keras.losses.MeanSquaredError()}))
+    with pytest.raises(ValueError, match=match):
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[make()])
+
+
+def test_adaptive_methods_refuse_learned_weights():
+    inputs = keras.Input((3,))
+    h = CompositeObjective({"a": "l2", "b": "l1"}, weighting="uncertainty", name="obj")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="shared")(h))
+    model.compile("sgd", "mse")
+    for callback in (DynamicWeightAverage("obj"), GradNorm("obj", "shared", probe_data=X)):
+        with pytest.raises(ValueError, match="weighting='uncertainty'"):
+            model.fit(X, Y, epochs=1, verbose=0, callbacks=[callback])
+
+
+def test_weighting_survives_config_round_trips():
+    objective = CompositeObjective({"a": "l2", "b": Term("l1", 0.5)}, weighting="uncertainty")
+    again = CompositeObjective.from_config(objective.get_config())
+    assert again.weighting == "uncertainty" and again.log_variances.shape == (2,)
+    loss = CompositeLoss({"mse": keras.losses.MeanSquaredError()}, weighting="uncertainty")
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
+    assert again.weighting == "uncertainty" and again.log_variances.shape == (1,)
+    fixed = CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
+    fixed.set_weight("mae", 0.3)
+    again = CompositeLoss.from_config(fixed.get_config())
+    np.testing.assert_allclose(list(again.weights_in_use().values()), [1.0, 0.3], rtol=1e-6)
