@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from keras_penalties import CompositeObjective, Term  # noqa: E402
 from keras_penalties import losses as L  # noqa: E402
 from keras_penalties import regularizers as R  # noqa: E402
-from keras_penalties.callbacks import PenaltyMonitor  # noqa: E402
+from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor  # noqa: E402
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 6)).astype("float32")
@@ -53,6 +53,10 @@ class Control(keras.callbacks.Callback):
 def build():
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.Orthogonality(0.1), name="dense_a")(inputs)
+    # Learned weights: trainable log-variances, summed over replicas' gradients.
+    hidden = CompositeObjective(
+        {"l2": Term("l2"), "ent": Term("entropy", options={"from_logits": True})}, weighting="uncertainty", name="uobj"
+    )(hidden)
     hidden = keras.layers.Dense(8, kernel_regularizer=R.L2(0.01), name="dense_b")(hidden)
     ramp = keras.optimizers.schedules.PolynomialDecay(0.0, 8, 0.2)
     hidden = CompositeObjective(
@@ -86,13 +90,21 @@ def build():
 def train():
     model = build()
     monitor = PenaltyMonitor(probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
-    history = model.fit(X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Control(), monitor])
+    # Adaptive weights: DWA on the loss (per epoch), GradNorm on the objective (per probe).
+    dwa = DynamicWeightAverage("closs")
+    gradnorm = GradNorm("obj", "dense_b", learning_rate=0.01, probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
+    history = model.fit(
+        X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Control(), dwa, gradnorm, monitor]
+    )
     evaluation = model.evaluate(X, Y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=[PenaltyMonitor()])
     results = {"predictions": np.asarray(model.predict(X, batch_size=BATCH, verbose=0)).tolist()}
     results.update({f"history/{k}": v for k, v in history.history.items()})
     results.update({f"evaluate/{k}": v for k, v in evaluation.items()})
     for i, entry in enumerate(monitor.history):
         results.update({f"probe{i}/{k}": v for k, v in entry.items()})
+    for i, entry in enumerate(gradnorm.history):
+        results.update({f"gradnorm{i}/{part}": list(entry[part].values()) for part in ("values", "grad_norms", "weights")})
+    results["log_variances"] = keras.ops.convert_to_numpy(model.get_layer("uobj").log_variances).tolist()
     results["step"] = int(keras.ops.convert_to_numpy(model.get_layer("obj").step))
     return results
 

@@ -6,8 +6,10 @@ devices is fixed when the framework starts: JAX with 2 virtual CPU devices
 (`DataParallel`, and `ModelParallel` sharding two Dense kernels that carry
 Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
 (`MirroredStrategy`). The run holds mean and sum terms, a schedule, a
-Regularizer term, a CompositeLoss with mean, sum and ops terms, and a callback
-that calls set_weight/disable/enable.
+Regularizer term, a CompositeLoss with mean, sum and ops terms, a callback
+that calls set_weight/disable/enable, and adaptive weights (an
+uncertainty-weighted objective, DynamicWeightAverage on the loss, GradNorm on
+the objective).
 """
 
 import json
@@ -43,7 +45,9 @@ def test_two_devices_match_one(mode):
     # Every kind of number is compared, not only some.
     for key in ("predictions", "history/loss", "history/obj/l1_sum", "history/closs/mae_sum",
                 "history/dense_a/kernel_regularizer", "evaluate/obj/ent", "probe0/total/grad_norm",
-                "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm"):
+                "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm",
+                "history/closs/mse/weight", "history/uobj/ent/weight", "gradnorm5/grad_norms",
+                "gradnorm5/weights", "log_variances"):
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
     assert not bad, {k: (v["rel"], v["one"], v["two"]) for k, v in bad.items()}
