@@ -56,3 +56,14 @@ def test_chunking_measure_runs_at_tiny_size():
 
     seconds, peak = chunking.measure("js β=0.5", 16, (40, 100), repeats=1)
     assert seconds > 0 and peak >= 0
+
+
+def test_multitask_runs_at_tiny_size():
+    from bench import multitask
+
+    report = multitask.run(epochs=1, samples=128)
+    assert [r["method"] for r in report["rows"]] == list(multitask.methods(None))
+    for row in report["rows"]:
+        assert set(row["relative"]) == set(multitask.TASKS) and row["step_seconds"] > 0
+        assert all(w >= 0 for w in row["final_weights"].values())
+    assert multitask.markdown(report).startswith("# Multi-task weighting")
