@@ -298,21 +298,31 @@ class LossState(keras.layers.Layer):
         return inputs
 
 
-def _calling_model(loss):
-    """The model whose compiled loss holds `loss`, if this call comes from
-    its `compute_loss` (Keras calls a compiled loss nowhere else): found
-    among the callers' frames, since Keras hands a loss no model."""
+def _calling_model(holds):
+    """The model among the callers' frames (`self` of a Keras Model method)
+    for which `holds(model, function_name)` is true, or None. Keras hands a
+    loss no model; this is how the loss finds the one it belongs to."""
     frame = sys._getframe(2)
     for _ in range(64):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, keras.Model) and any(
-            item is loss for item in keras.tree.flatten(getattr(candidate, "loss", None))
-        ):
+        if isinstance(candidate, keras.Model) and holds(candidate, frame.f_code.co_name):
             return candidate
         frame = frame.f_back
     return None
+
+
+def _computes(loss):
+    # Keras calls a compiled loss from its model's compute_loss only.
+    return lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
+
+
+def _loading(model, function):
+    # A .keras file's compile config is deserialized inside
+    # Model.compile_from_config, which builds the optimizer right after
+    # compiling: the variables must be the model's by then.
+    return function == "compile_from_config"
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -383,6 +393,9 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
         self._attached = []  # weak references to the models holding `state`
+        model = _calling_model(_loading)
+        if model is not None:
+            self.attach(model)
 
     @property
     def term_weights(self):
@@ -402,7 +415,8 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
     def attach(self, model):
         """Adds the loss's variables to `model` (once); returns whether they
         were new to it. The loss does so itself when `model` first computes
-        it (its symbolic build, at the start of `fit`/`evaluate`), and the
+        it (its symbolic build, at the start of `fit`/`evaluate`, before the
+        optimizer is built) or compiles it from a `.keras` file, and the
         package's callbacks do in `set_model`."""
         host = model
         if isinstance(model, keras.Sequential) and model._layers and isinstance(
@@ -445,7 +459,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if not self._attached:
-            model = _calling_model(self)
+            model = _calling_model(_computes(self))
             if model is not None:
                 self.attach(model)
         y_true, y_pred = as_float32(y_true), as_float32(y_pred)

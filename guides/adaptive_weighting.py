@@ -1,0 +1,154 @@
+"""
+# Adaptive weighting: uncertainty, DWA and GradNorm
+
+Three tasks share one trunk: a regression in units of 1, a regression in
+units ten times larger (its squared error is 100× the first's) and a 4-class
+classification. With equal weights the large regression owns the gradient.
+This guide trains the same model with fixed weights and with the three
+adaptive methods, compares each task's held-out error, and plots how the
+weights move.
+
+    KERAS_BACKEND=jax python guides/adaptive_weighting.py
+"""
+
+import os
+import pathlib
+import tempfile
+
+import keras
+import numpy as np
+
+from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor
+from keras_penalties.losses import CompositeLoss
+
+EPOCHS = int(os.environ.get("GUIDE_ROUNDS", 12))
+rng = np.random.default_rng(0)
+mix, heads = rng.normal(size=(16, 8)) / 4.0, (rng.normal(size=(8, 2)), rng.normal(size=(8, 4)))
+
+
+def draw(n):
+    x = rng.normal(size=(n, 16))
+    z = np.tanh(2.0 * x @ mix)
+    reg = z @ heads[0] + 0.1 * rng.normal(size=(n, 2))
+    label = (3.0 * z @ heads[1] + rng.gumbel(size=(n, 4))).argmax(-1)
+    y = np.concatenate([reg[:, :1], 10.0 * reg[:, 1:], np.eye(4)[label]], axis=1)
+    return x.astype("float32"), y.astype("float32")
+
+
+(x, y), (x_test, y_test) = draw(2048), draw(512)
+
+"""
+## One CompositeLoss over the three tasks
+
+The model's output stacks the three heads; each task's loss reads its own
+columns. Registering the loss class lets a `.keras` file bring it back.
+"""
+
+
+@keras.saving.register_keras_serializable(package="guide")
+class Task(keras.losses.Loss):
+    def __init__(self, task, **kwargs):
+        super().__init__(**{"name": task, **kwargs})
+        self.task = task
+
+    def call(self, y_true, y_pred):
+        if self.task == "cls":
+            return keras.losses.categorical_crossentropy(y_true[:, 2:], y_pred[:, 2:], from_logits=True)
+        column = 0 if self.task == "reg" else 1
+        return keras.ops.square(y_true[:, column] - y_pred[:, column])
+
+    def get_config(self):
+        return {**super().get_config(), "task": self.task}
+
+
+def model_with(**loss_kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(64, activation="relu")(inputs)
+    h = keras.layers.Dense(64, activation="relu", name="trunk")(h)
+    outputs = keras.layers.Concatenate()([keras.layers.Dense(1)(h), keras.layers.Dense(1)(h), keras.layers.Dense(4)(h)])
+    model = keras.Model(inputs, outputs)
+    loss = CompositeLoss({t: Task(t) for t in ("reg", "reg_x10", "cls")}, name="tasks", **loss_kwargs)
+    model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+    return model
+
+
+def task_errors(model):
+    pred = model.predict(x_test, verbose=0)
+    return {
+        "reg": float(np.mean((pred[:, 0] - y_test[:, 0]) ** 2)),
+        "reg_x10": float(np.mean((pred[:, 1] - y_test[:, 1]) ** 2)),
+        "cls error": float(np.mean(pred[:, 2:].argmax(-1) != y_test[:, 2:].argmax(-1))),
+    }
+
+
+"""
+## Fixed, equal weights: the baseline
+"""
+
+fixed = model_with()
+fixed.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0)
+print("fixed       ", task_errors(fixed))
+
+"""
+## Uncertainty weighting
+
+`weighting="uncertainty"` gives each task a trainable log-variance sᵢ; the
+loss is Σ ½·exp(−sᵢ)·Lᵢ + ½·sᵢ, whose optimum sᵢ = log Lᵢ divides each task
+by its own scale. `PenaltyMonitor` logs the weights ½·exp(−sᵢ) per epoch.
+The sᵢ are trained by the model's optimizer like any weight: Adam moves each
+by about its learning rate per step, so reaching log Lᵢ ≈ 4 for the large
+regression takes thousands of steps at 1e-3 (bench/multitask.py measures
+where it gets to).
+"""
+
+uncertainty = model_with(weighting="uncertainty")
+logs = uncertainty.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor()]).history
+print("uncertainty ", task_errors(uncertainty))
+print("  weights after training:", {t: round(logs[f"tasks/{t}/weight"][-1], 4) for t in ("reg", "reg_x10", "cls")})
+
+# The learned sᵢ are saved and loaded with the model.
+path = pathlib.Path(tempfile.mkdtemp()) / "uncertainty.keras"
+uncertainty.save(path)
+restored = keras.saving.load_model(path)
+np.testing.assert_allclose(
+    keras.ops.convert_to_numpy(restored.loss.log_variances), keras.ops.convert_to_numpy(uncertainty.loss.log_variances)
+)
+
+"""
+## Dynamic Weight Average
+
+After each epoch from the second on, wᵢ = K·softmax(rᵢ/T), with rᵢ the ratio
+of task i's last two epoch means: a task that stopped improving gets more
+weight. It balances the rates, not the scales.
+"""
+
+dwa = model_with()
+logs = dwa.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=[DynamicWeightAverage("tasks")]).history
+print("DWA         ", task_errors(dwa))
+print("  weights per epoch (reg_x10):", np.round(logs["tasks/reg_x10/weight"], 3))
+
+"""
+## GradNorm
+
+GradNorm probes a fixed batch and measures each task's gradient norm with
+respect to the last shared layer, then steps the weights towards equal
+weighted norms, scaled by how far each task has come. The step is
+`learning_rate`·gᵢ, in the norms' units: the large regression's norm is in
+the tens to hundreds here, so the learning rate is 0.001 rather than the
+paper's 0.025. The monitor, probing the same batch, plots the weights.
+"""
+
+gradnorm = model_with()
+probe = (x[:128], y[:128])
+monitor = PenaltyMonitor(probe_data=probe, every_n_batches=8)
+callback = GradNorm("tasks", "trunk", learning_rate=1e-3, probe_data=probe, every_n_batches=8)
+gradnorm.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=[callback, monitor])
+print("GradNorm    ", task_errors(gradnorm))
+last = callback.history[-1]
+print("  last probe: norms", {k: round(v, 2) for k, v in last["grad_norms"].items()},
+      "weights", {k: round(v, 3) for k, v in last["weights"].items()})
+assert last["weights"]["reg_x10"] < 1.0 < last["weights"]["reg"]
+
+figure = monitor.plot()  # contributions, weighted gradient norms, and a panel of the weights
+figure.savefig(pathlib.Path(tempfile.mkdtemp()) / "gradnorm.png")
