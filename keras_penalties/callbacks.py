@@ -251,8 +251,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     def __init__(self, probe_data=None, every_n_batches=100, grad_norms=True):
         super().__init__()
-        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or every_n_batches < 1:
-            raise ValueError(f"`every_n_batches` must be an int >= 1; got {every_n_batches!r}.")
+        every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
         if not isinstance(grad_norms, bool):
             raise TypeError(f"`grad_norms` must be a bool; got {grad_norms!r}.")
         if probe_data is not None:

@@ -173,7 +173,7 @@ def test_values_only_without_grad_norms():
     "kwargs, error, message",
     [
         ({"every_n_batches": 0}, ValueError, r"`every_n_batches` must be an int >= 1"),
-        ({"every_n_batches": 2.5}, ValueError, r"`every_n_batches`"),
+        ({"every_n_batches": 2.5}, TypeError, r"`every_n_batches` must be an int"),
         ({"grad_norms": "yes"}, TypeError, r"`grad_norms` must be a bool"),
     ],
 )

@@ -37,12 +37,6 @@ _TOKEN_OPTIONS = dict(chunk_size=num.optional(num.positive_integer))
 _NO_AXIS = "a distribution axis"
 
 
-def _convert_pair(p, q, names, axis, min_rank=1):
-    """Converts both inputs to one compute dtype; returns (p, q, dtype, axis)."""
-    (p, q), dtype = num.to_compute(p, q)
-    return (p, q, dtype, _check_pair(p, q, names, axis, min_rank))
-
-
 def _check_pair(p, q, names, axis, min_rank=1):
     num.check_same_shape(names, p, q)
     if min_rank:
@@ -261,7 +255,8 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
     1.0
     """
     # mse and l1 of two scalars are defined; the other metrics need an axis.
-    a, b, dtype, axis = _convert_pair(a, b, ("a", "b"), axis, min_rank=0 if metric in ("mse", "l1") else 1)
+    (a, b), dtype = num.to_compute(a, b)
+    axis = _check_pair(a, b, ("a", "b"), axis, min_rank=0 if metric in ("mse", "l1") else 1)
     if metric == "kl":
         pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
         pb, logb = num.probs_and_log_probs(b, from_logits=from_logits, temperature=1.0, axis=axis)
