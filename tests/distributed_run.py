@@ -55,7 +55,10 @@ def build():
     hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.Orthogonality(0.1), name="dense_a")(inputs)
     # Learned weights: trainable log-variances, summed over replicas' gradients.
     hidden = CompositeObjective(
-        {"l2": Term("l2"), "ent": Term("entropy", options={"from_logits": True})}, weighting="uncertainty", name="uobj"
+        # A chunked term: chunks of 3 rows over each replica's 4 (a padded last chunk).
+        {"l2": Term("l2"), "ent": Term("entropy", options={"from_logits": True, "chunk_size": 3})},
+        weighting="uncertainty",
+        name="uobj",
     )(hidden)
     hidden = keras.layers.Dense(8, kernel_regularizer=R.L2(0.01), name="dense_b")(hidden)
     ramp = keras.optimizers.schedules.PolynomialDecay(0.0, 8, 0.2)
