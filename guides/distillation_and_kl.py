@@ -9,7 +9,9 @@ knowledge distillation (Hinton et al., 2015), of KL-regularized fine-tuning
    a temperature, in a `CompositeObjective` fed a dict of named tensors;
 2. swaps in the symmetric KL and the Jensen-Shannon divergence;
 3. anneals the KL weight from 0 to 1 with a schedule of the training step;
-4. distils a token model with the T² weight, a token mask and chunks.
+4. distils a token model with the T² weight, a token mask and chunks;
+5. trains a small VAE whose KL term, `ops.gaussian_kl`, is annealed in, and
+   saves and loads it without registering anything.
 
     KERAS_BACKEND=tensorflow python guides/distillation_and_kl.py
 """
@@ -143,3 +145,46 @@ lm = keras.Model([tokens, teacher_in, answer_in], outputs["student"])
 lm.compile(optimizer=keras.optimizers.Adam(0.01))
 history = lm.fit([sequences, teacher_logits, answer], epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor()])
 print(f"masked token KL at T={T}: {history.history['tokens/kd'][0]:.4f} -> {history.history['tokens/kd'][-1]:.4f}")
+
+"""
+## 5. A VAE: the Gaussian KL, annealed
+
+The VAE's KL term is `gaussian_kl(mean, log_var)`, the KL of the encoder's
+N(μ, σ²) to N(0, 1) summed over the latent axis, averaged over samples. As a
+Term named by string it saves and loads with the model, with no function to
+register. The sampling layer owns its seed generator, so each step draws
+fresh noise on every backend (JAX included).
+"""
+
+
+class Sample(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed = keras.random.SeedGenerator(0)
+
+    def call(self, inputs):
+        mean, log_var = inputs
+        return mean + keras.ops.exp(0.5 * log_var) * keras.random.normal(keras.ops.shape(mean), seed=self.seed)
+
+
+images = (rng.uniform(size=(1024, 16)) < 0.5 * (1 + np.sin(np.arange(16)))[None] / 2).astype("float32")
+pixels = keras.Input((16,))
+h = keras.layers.Dense(32, activation="relu")(pixels)
+latent = CompositeObjective(
+    {"kl": Term("gaussian_kl", keras.optimizers.schedules.PolynomialDecay(0.0, 100, 1.0), inputs=("mean", "log_var"))},
+    name="vae",
+)({"mean": keras.layers.Dense(2)(h), "log_var": keras.layers.Dense(2)(h)})
+z = Sample()([latent["mean"], latent["log_var"]])
+decoded = keras.layers.Dense(16)(keras.layers.Dense(32, activation="relu")(z))
+vae = keras.Model(pixels, decoded)
+vae.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.BinaryCrossentropy(from_logits=True))
+history = vae.fit(images, images, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor()])
+print(f"VAE KL (nats per sample): {history.history['vae/kl'][0]:.3f} -> {history.history['vae/kl'][-1]:.3f}")
+
+import pathlib  # noqa: E402
+import tempfile  # noqa: E402
+
+path = pathlib.Path(tempfile.mkdtemp()) / "vae.keras"
+vae.save(path)
+restored = keras.saving.load_model(path, custom_objects={"Sample": Sample})
+assert restored.get_layer("vae").terms["kl"].penalty.__name__ == "gaussian_kl"

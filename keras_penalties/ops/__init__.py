@@ -9,6 +9,7 @@ Options are keyword-only.
 from keras_penalties.ops.divergences import (
     consistency,
     entropy,
+    gaussian_kl,
     js_divergence,
     kl_divergence,
     kl_sparsity,
@@ -20,6 +21,7 @@ __all__ = [
     "consistency",
     "elastic_net",
     "entropy",
+    "gaussian_kl",
     "js_divergence",
     "kl_divergence",
     "kl_sparsity",

@@ -17,6 +17,7 @@ Conventions shared by all of them:
 import functools
 import math
 
+import numpy as np
 from keras import ops
 
 from keras_penalties.ops import _numerics as num
@@ -318,3 +319,57 @@ def kl_sparsity(x, *, target=0.05, axis=0):
     # No samples, no statistic: 0 rather than the KL of an empty mean of 0.
     samples = ops.cast(ops.shape(x)[axis], values.dtype)
     return num.from_compute(ops.where(samples > 0, ops.sum(values), 0.0), dtype)
+
+
+@num.options(axis=num.integer, reduction=num.REDUCTION)
+def gaussian_kl(mean, log_var, mean_ref=None, log_var_ref=None, *, axis=-1, reduction="mean"):
+    """KL(N(μ, σ²) ‖ N(μ₀, σ₀²)) of diagonal Gaussians, summed over `axis`: the VAE KL term.
+
+    Per sample: Σ_axis ½[log σ₀² − log σ² + (σ² + (μ − μ₀)²)/σ₀² − 1] with
+    σ² = exp(log_var). Without a reference it is the KL to N(0, 1), the
+    term a VAE adds: −½Σ(1 + log σ² − μ² − σ²). `mean_ref` and `log_var_ref`
+    each default to 0 on their own and broadcast against `mean`.
+
+    Args:
+        mean, log_var: the encoder's μ and log σ², the same shape, rank ≥ 1.
+        mean_ref, log_var_ref: the reference Gaussian's μ₀ and log σ₀², or None.
+        axis: the latent axis summed over.
+        reduction: `"mean"` (default) or `"sum"` over samples, or `"none"`.
+
+    Returns:
+        A scalar (or the per-sample values) in the inputs' float dtype.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> float(P.gaussian_kl([[0.0, 0.0]], [[0.0, 0.0]]))  # N(0, 1) to itself
+    0.0
+    >>> round(float(P.gaussian_kl([[1.0]], [[0.0]])), 4)  # ½μ²
+    0.5
+    """
+    names = ("mean", "log_var")
+    tensors = [mean, log_var] + [t for t in (mean_ref, log_var_ref) if t is not None]
+    converted, dtype = num.to_compute(*tensors)
+    mu, log_var = converted[:2]
+    refs = iter(converted[2:])
+    mu_ref = next(refs) if mean_ref is not None else None
+    lv_ref = next(refs) if log_var_ref is not None else None
+    num.check_same_shape(names, mu, log_var)
+    num.check_rank("mean", mu, 1, "a latent axis")
+    axis = num.check_axis("axis", axis, len(mu.shape))
+    for name, ref in (("mean_ref", mu_ref), ("log_var_ref", lv_ref)):
+        if ref is not None:
+            try:
+                np.broadcast_shapes(tuple(1 if d is None else d for d in ref.shape),
+                                    tuple(1 if d is None else d for d in mu.shape))
+            except ValueError:
+                raise ValueError(
+                    f"`{name}` must broadcast against `mean` {tuple(mu.shape)}; got shape {tuple(ref.shape)}."
+                ) from None
+    diff = mu if mu_ref is None else mu - mu_ref
+    if lv_ref is None:
+        terms = ops.exp(log_var) + ops.square(diff) - 1.0 - log_var
+    else:
+        terms = ops.exp(log_var - lv_ref) + ops.square(diff) * ops.exp(-lv_ref) - 1.0 - log_var + lv_ref
+    values = 0.5 * ops.sum(terms, axis=axis)
+    return num.from_compute(num.reduce(values, reduction), dtype)
