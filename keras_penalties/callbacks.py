@@ -2,6 +2,12 @@
 norms, in the training logs) and the adaptive weightings
 `DynamicWeightAverage` and `GradNorm`."""
 
+import math
+import re
+import threading
+import time
+import warnings
+
 import keras
 import numpy as np
 from keras import ops
@@ -99,6 +105,58 @@ def _probe_batch(probe_data):
         if leaf.shape[0] == 0:
             raise ValueError("`probe_data` has no samples: give a batch of at least one.")
     return x, y
+
+
+_SCORE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def _check_external(external, timeout):
+    """`external` (dict name → callable) and `external_timeout`, checked."""
+    if external is None:
+        external = {}
+    if not isinstance(external, dict):
+        raise TypeError(f"`external` must be a dict of name -> function, or None; got {external!r}.")
+    for name, fn in external.items():
+        if not isinstance(name, str) or not _SCORE_NAME.match(name):
+            raise ValueError(
+                f"`external` names must be non-empty strings of letters, digits, '_', '.' or '-'; got {name!r}."
+            )
+        if not callable(fn):
+            raise TypeError(f"`external[{name!r}]` must be a function f(x, y, y_pred); got {fn!r}.")
+    return dict(external), num.positive("external_timeout", timeout)
+
+
+class _Score:
+    """One external score's call, in a daemon thread of its own: a call that
+    hangs holds only its own thread (and does not hold up the interpreter's
+    exit), so it never starves the other scores."""
+
+    def __init__(self, fn, args):
+        self.result, self.error, self.seconds = None, None, None
+        self.start = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self.result = fn(*args)
+        except Exception as error:  # noqa: BLE001 -- reported by name, training goes on
+            self.error = error
+        self.seconds = time.perf_counter() - self.start
+
+
+def _as_score(name, result):
+    """A score's result as {log key: float}; a TypeError if it is neither a
+    number nor a dict of numbers."""
+    def number(key, value):
+        value = np.asarray(value)
+        if value.size != 1 or not np.issubdtype(value.dtype, np.number):
+            raise TypeError(f"returned {result!r}, not a number or a dict of numbers")
+        return float(value)
+
+    if isinstance(result, dict):
+        return {f"external/{name}/{key}": number(key, value) for key, value in result.items()}
+    return {f"external/{name}": number(name, result)}
 
 
 class _Mirror(keras.metrics.Metric):
@@ -231,6 +289,20 @@ class PenaltyMonitor(keras.callbacks.Callback):
             for the step, which costs time when done every batch); History
             and evaluate get exact epoch averages either way.
         grad_norms: compute gradient norms on probes (else values only).
+        external: dict name → `f(x, y, y_pred)`: scores computed outside the
+            compiled step (a service, a solver, a non-differentiable check)
+            from NumPy arrays of the probe batch and the model's output on
+            it, returning a float or a dict of floats. On every probe they
+            run concurrently, each in a daemon thread of its own, while the
+            gradient probe runs; each result is logged as
+            `"external/<name>"` (a dict as `"external/<name>/<key>"`) with
+            its wall time as `"external/<name>/seconds"`. One that raises,
+            returns something else or runs past `external_timeout` logs NaN
+            (its seconds: until it failed, or the timeout) and warns once
+            with its name; training and the other scores go on. One still
+            running from an earlier probe is not started again (NaN, 0 s).
+            They never touch the loss or the gradients. Needs `probe_data`.
+        external_timeout: seconds each external score may take (> 0).
 
     Attributes:
         history: one dict per probe: `"step"`, `"epoch"`, and for each term
@@ -249,8 +321,11 @@ class PenaltyMonitor(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, probe_data=None, every_n_batches=100, grad_norms=True):
+    def __init__(self, probe_data=None, every_n_batches=100, grad_norms=True, external=None, external_timeout=30.0):
         super().__init__()
+        self.external, self.external_timeout = _check_external(external, external_timeout)
+        if self.external and probe_data is None:
+            raise ValueError("`external` scores run on probes: give `probe_data` too.")
         every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
         if not isinstance(grad_norms, bool):
             raise TypeError(f"`grad_norms` must be a bool; got {grad_norms!r}.")
@@ -267,6 +342,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._epoch = 0
         self._epoch_probes = []
         self._ended = None  # the batch whose end-of-batch work is pending
+        self._running = {}  # external score name -> its call, while one runs past its probe
+        self._warned = set()
+        self._score_keys = {}  # external score name -> the log keys its results gave
 
     # ------------------------------------------------------------ metrics in the model
 
@@ -314,8 +392,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
             fn = gradients.parameter_probe(model, sources.outputs, sources.size, grad_norms=self.grad_norms)
             self._probes[id(model)] = (sources, fn)
         sources, fn = self._probes[id(model)]
+        calls = self._start_external(model)
         values, norms = fn(*self.probe_data)
         entry = {"step": self._step, "epoch": self._epoch}
+        entry.update(self._finish_external(calls))
         for i, (key, weight) in enumerate(zip(sources.term_keys, sources.weights())):
             value = float(values[i])
             entry.update({key: value, f"{key}/weight": weight, f"{key}/contribution": weight * value})
@@ -329,9 +409,60 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.history.append(entry)
         return entry
 
+    def _start_external(self, model):
+        """Starts every external score on the probe batch and the model's
+        output on it; returns name → call (None for one still running from an
+        earlier probe, which is not started twice)."""
+        if not self.external:
+            return {}
+        x, y = self.probe_data
+        to_numpy = lambda t: keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), t)  # noqa: E731
+        args = (to_numpy(x), None if y is None else to_numpy(y), to_numpy(model(x, training=False)))
+        calls = {}
+        for name, fn in self.external.items():
+            running = self._running.get(name)
+            calls[name] = None if running is not None and running.thread.is_alive() else _Score(fn, args)
+        return calls
+
+    def _finish_external(self, calls):
+        """Waits for the scores, each until `external_timeout` after it
+        started; returns their log entries (NaN for a failure)."""
+        results = {}
+        for name, call in calls.items():
+            if call is None:
+                error, seconds = "still running from an earlier probe", 0.0
+            else:
+                call.thread.join(max(0.0, call.start + self.external_timeout - time.perf_counter()))
+                if call.thread.is_alive():
+                    self._running[name] = call
+                    error, seconds = f"timed out after {self.external_timeout} s", self.external_timeout
+                else:
+                    self._running.pop(name, None)
+                    error, seconds = call.error, call.seconds
+                    if error is None:
+                        try:
+                            scores = _as_score(name, call.result)
+                        except TypeError as bad:
+                            error = bad
+                        else:
+                            self._score_keys[name] = list(scores)
+                            results.update(scores)
+            if error is not None:
+                results.update({key: math.nan for key in self._score_keys.get(name, [f"external/{name}"])})
+                if name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(
+                        f"PenaltyMonitor: external score {name!r} failed ({error}); it logs NaN "
+                        "where it fails, and training goes on. (Warned once.)",
+                        stacklevel=2,
+                    )
+            results[f"external/{name}/seconds"] = float(seconds)
+        return results
+
     def _probe_logs(self, entry):
         sources, _ = self._probes[id(self._model)]
         logs = {key: entry[key] for key in sources.regularizer_keys}
+        logs.update({key: value for key, value in entry.items() if key.startswith("external/")})
         if self.grad_norms:
             for key in sources.term_keys:
                 logs[f"{key}/grad_norm"] = entry[f"{key}/grad_norm"]
@@ -388,8 +519,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 # Learned weights: what the next step uses.
                 _log_weights(owner, logs)
         if logs is not None and self._epoch_probes:
-            for key in self._epoch_probes[0]:
-                logs[key] = sum(p[key] for p in self._epoch_probes) / len(self._epoch_probes)
+            keys = dict.fromkeys(key for probe in self._epoch_probes for key in probe)
+            for key in keys:
+                values = [p[key] for p in self._epoch_probes if key in p]
+                logs[key] = sum(values) / len(values)
 
     def on_test_begin(self, logs=None):
         self._reset(training=False)
