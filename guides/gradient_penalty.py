@@ -53,6 +53,14 @@ critic's weights through it on every backend.
 
 The ε of each interpolation comes from a `keras.random.SeedGenerator` owned
 by the model, so it is fresh at every step, also inside JAX's `jit`.
+
+The interpolation follows the paper (Gulrajani et al., 2017, Algorithm 1):
+x̂ = ε·real + (1 − ε)·fake with ε ~ U(0, 1), so ε weights the real sample.
+keras-io's WGAN-GP example differs on both counts: it draws its α from
+N(0, 1) and forms real + α·(fake − real), so α weights the fake sample and
+about a third of its points lie outside the segment between the two. Code
+ported from that example gives different penalties; this one matches the
+paper's.
 """
 
 

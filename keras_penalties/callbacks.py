@@ -353,7 +353,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
         for objective in self.objectives:
             if id(objective) not in self._mirrors:
-                keys = [f"{objective.name}/{term}" for term in objective.terms]
+                keys = [f"{objective.name}/{key}" for key in objective.reported_keys]
                 self._mirrors[id(objective)] = _Mirror(keys, name=f"{objective.name}_terms")
         self._register(model)
 

@@ -389,7 +389,8 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
                 )
         self._sums = [t.sums_over_samples for t in self.terms.values()]
         self.state = LossState(self.terms, weighting, name=f"{self.name}_state")
-        self.tracker = TermMeans(self.name, list(self.terms))
+        self.metric_keys = [f"{name}/{metric}" for name, t in self.terms.items() for metric in t.metrics]
+        self.tracker = TermMeans(self.name, list(self.terms) + self.metric_keys)
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
         self._attached = []  # weak references to the models holding `state`
@@ -444,6 +445,16 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         """Each term's weight in the total, 0 for a disabled term."""
         return self.current_weights() * self.term_enabled.value
 
+    def _metric_values(self, y_true, y_pred):
+        """Each term's custom metrics on (y_true, y_pred), or on y_pred alone
+        where the term takes one tensor, in `metric_keys` order."""
+        values = []
+        for term in self.terms.values():
+            if term.metrics:
+                two = term.kind == "loss" or (term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS)
+                values.extend(term.metric_values(*((y_true, y_pred) if two else (y_pred,))))
+        return values
+
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
         """The term's unweighted float32 value on this replica's batch, as one
         device would compute it on that batch."""
@@ -474,7 +485,10 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         if self.tracker_registered:
             # The tracker's sums add up over replicas and steps; its count
             # too, so it reports the mean of the replicas' values.
-            self.tracker.update_state(values)
+            tracked = values
+            if self.metric_keys:
+                tracked = ops.concatenate([values, ops.stack(self._metric_values(y_true, y_pred))])
+            self.tracker.update_state(tracked)
         total = ops.sum(values * self.effective_weights())
         if self.log_variances is not None:
             total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)

@@ -22,6 +22,7 @@ multiplied by the replicas, a per-sample mean is not), and the running values
 combine across replicas by their mean.
 """
 
+import functools
 import re
 import weakref
 
@@ -128,6 +129,48 @@ def _loadable(name, obj):
     )
 
 
+def _metric_op(name):
+    """An ops function named as a metric, with the default reduction a term by
+    that name gets."""
+    fn = _OPS[name]
+    if name in _BATCH_MEAN_BY_DEFAULT:
+        return functools.partial(fn, reduction="sum_over_batch_size")
+    return fn
+
+
+def _check_metrics(metrics):
+    """`metrics`: None or a dict name → ops function name or callable."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"`metrics` must be a dict of name -> function or ops function name; got {metrics!r}.")
+    checked = {}
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not _METRIC_NAME.match(name):
+            raise ValueError(
+                f"`metrics` names must be non-empty strings usable as metric names "
+                f"(letters, digits, '_', '.', '-'); got {name!r}."
+            )
+        if isinstance(fn, str):
+            if fn not in _OPS:
+                raise ValueError(
+                    f"`metrics[{name!r}]` must name a keras_penalties.ops function, one of {sorted(_OPS)}; got {fn!r}."
+                )
+            fn = _metric_op(fn)
+        elif not callable(fn) or isinstance(fn, type):
+            raise TypeError(f"`metrics[{name!r}]` must be a callable or an ops function name; got {fn!r}.")
+        checked[name] = fn
+    return checked
+
+
+def _serialize_metric(fn):
+    if isinstance(fn, functools.partial) and any(fn.func is op for op in _OPS.values()):
+        return fn.func.__name__
+    if any(fn is op for op in _OPS.values()):
+        return fn.__name__
+    return keras.saving.serialize_keras_object(fn)
+
+
 @keras.saving.register_keras_serializable(package="keras_penalties")
 class Term:
     """One named entry of a `CompositeObjective` or `CompositeLoss`.
@@ -149,9 +192,20 @@ class Term:
             `js_divergence` and `entropy` names an input (a dict key or a
             list position, like `inputs`): the token mask fed beside the
             tensors, e.g. `options={"from_logits": True, "mask": "mask"}`.
+        metrics: dict name → callable of the same tensors (or the name of an
+            ops function, with the default reduction a term of that name
+            gets), returning a scalar: extra numbers reported beside the term
+            as `"<objective>/<term>/<metric>"` (with `PenaltyMonitor`) and
+            under `"custom"` in `report`, never added to the loss.
 
     A Regularizer term contributes what it would as an `activity_regularizer=`
     (Keras divides it by the batch size).
+
+    Saving: a term, weight or metric that is your own function is saved by
+    name and loads only if it is registered with
+    `@keras.saving.register_keras_serializable(package=...)`; otherwise
+    `load_model` fails with "Could not locate function '<name>'". Ops
+    function names, Losses, Regularizers and schedules need nothing.
 
     Example:
 
@@ -160,7 +214,7 @@ class Term:
     'entropy'
     """
 
-    def __init__(self, penalty, weight=1.0, inputs=None, enabled=True, options=None):
+    def __init__(self, penalty, weight=1.0, inputs=None, enabled=True, options=None, metrics=None):
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"`options` must be a dict or None; got {options!r}.")
         options = dict(options or {})
@@ -224,6 +278,7 @@ class Term:
                 "`inputs=(...)` naming the tensors it takes from the same dict or list."
             )
         self.enabled = num.boolean("enabled", enabled)
+        self.metrics = _check_metrics(metrics)
 
     @property
     def mask_input(self):
@@ -251,7 +306,14 @@ class Term:
         return False
 
     def copy(self):
-        return Term(self.penalty, self.weight, self.inputs, self.enabled, self.options)
+        return Term(self.penalty, self.weight, self.inputs, self.enabled, self.options, self.metrics)
+
+    def metric_values(self, *tensors):
+        """Each of the term's `metrics` on `tensors` (those `reads` names, the
+        mask excluded), as float32 scalars, in order."""
+        if self.mask_input is not None:
+            tensors = tensors[:-1]
+        return [scalar(name, fn(*tensors)) for name, fn in self.metrics.items()]
 
     def __call__(self, *tensors):
         """The unweighted value of the penalty on `tensors` (those `reads`
@@ -288,6 +350,7 @@ class Term:
             "inputs": None if self.inputs is None else list(self.inputs),
             "enabled": self.enabled,
             "options": dict(self.options),
+            "metrics": {name: _serialize_metric(fn) for name, fn in self.metrics.items()},
         }
 
     @classmethod
@@ -296,6 +359,10 @@ class Term:
         for key in ("penalty", "weight"):
             if isinstance(config[key], dict):
                 config[key] = _loadable(key, keras.saving.deserialize_keras_object(config[key]))
+        config["metrics"] = {
+            name: _loadable(f"metrics[{name!r}]", keras.saving.deserialize_keras_object(fn)) if isinstance(fn, dict) else fn
+            for name, fn in (config.get("metrics") or {}).items()
+        }
         return cls(**config)
 
     def __repr__(self):
@@ -496,7 +563,11 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         self.step = state("step", 0, dtype="int32", local=True)
         # Running sums of each term's unweighted value, and call counts; row
         # 0 for training calls, row 1 for the others (evaluate, predict).
-        self.value_sums = state("value_sums", np.zeros((2, n)), aggregation="mean", local=True)
+        # Each term's custom metrics are reported as "<term>/<metric>", after the terms.
+        self.metric_keys = [f"{name}/{metric}" for name, t in self.terms.items() for metric in t.metrics]
+        self.value_sums = state(
+            "value_sums", np.zeros((2, n + len(self.metric_keys))), aggregation="mean", local=True
+        )
         self.value_counts = state("value_counts", np.zeros(2), aggregation="mean", local=True)
         # weighting="uncertainty": each term's log-variance sᵢ, trained by the
         # model's optimizer (float32, never autocast, like the state above).
@@ -552,6 +623,15 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         """Each term's unweighted value, in term order, stacked."""
         inputs = as_float32(inputs)
         return ops.stack([self._term_value(name, inputs) for name in self.terms])
+
+    def _metric_values(self, inputs):
+        """Each term's custom metrics (`metric_keys` order), as a list of scalars."""
+        inputs = as_float32(inputs)
+        values = []
+        for name, term in self.terms.items():
+            if term.metrics:
+                values.extend(term.metric_values(*self._arguments(name, term, inputs)))
+        return values
 
     def _weights_at(self, step):
         if self.log_variances is not None:
@@ -627,6 +707,8 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         row = np.zeros((2, 1), "float32")
         row[_EVAL if not training else _TRAIN] = 1.0
         row = ops.convert_to_tensor(row)
+        if self.metric_keys:
+            values = ops.concatenate([values, ops.stack(self._metric_values(inputs))])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
         self.value_sums.assign(self.value_sums.value + row * values[None, :])
@@ -662,14 +744,21 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
     # ------------------------------------------------------------ reporting
 
     def running_values(self, training=True):
-        """Mean unweighted value of each term since the last reset, as floats
-        (the numbers PenaltyMonitor logs); empty before the first call."""
+        """Mean unweighted value of each term (and of each custom metric, as
+        `"<term>/<metric>"`) since the last reset, as floats (the numbers
+        PenaltyMonitor logs); empty before the first call."""
         row = _TRAIN if training else _EVAL
         count = float(ops.convert_to_numpy(self.value_counts)[row])
         if count == 0:
             return {}
         sums = ops.convert_to_numpy(self.value_sums)[row]
-        return {name: float(sums[i] / count) for i, name in enumerate(self.terms)}
+        return {name: float(sums[i] / count) for i, name in enumerate(self.reported_keys)}
+
+    @property
+    def reported_keys(self):
+        """What `running_values` reports, in order: each term, then each
+        term's custom metrics as `"<term>/<metric>"`."""
+        return list(self.terms) + self.metric_keys
 
     def reset_running_values(self, training=True):
         row = _TRAIN if training else _EVAL
@@ -688,7 +777,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         Returns:
             `{"loss_total", "regularizer_total", "base_loss": {"value",
             "grad_norm"}, "regularizers": {name: {"value", "weight",
-            "contribution", "grad_norm", "grad_norm_weighted"}},
+            "contribution", "grad_norm", "grad_norm_weighted", "custom"}},
             "total_grad_norm"}`, contribution = weight × value, over the
             enabled terms. Gradient norms are `None` unless `grad_norms`.
         """
@@ -703,6 +792,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         base = base_loss(inputs) if callable(base_loss) else base_loss
         base_value = None if base is None else float(ops.convert_to_numpy(base))
         norms = gradients.gradient_norms(self, inputs, base_loss=base_loss if callable(base_loss) else None) if grad_norms else {}
+        metrics = dict(zip(self.metric_keys, (float(ops.convert_to_numpy(v)) for v in self._metric_values(inputs))))
         regularizers = {}
         for i, name in enumerate(self.terms):
             if name not in values:
@@ -715,6 +805,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
                 "contribution": weight * value,
                 "grad_norm": norm,
                 "grad_norm_weighted": None if norm is None else weight * norm,
+                "custom": {m: metrics[f"{name}/{m}"] for m in self.terms[name].metrics},
             }
         regularizer_total = float(ops.convert_to_numpy(total))
         return {
