@@ -1,6 +1,8 @@
 # Two commands a newcomer needs: `make demo` and `make test`.
-# Both create (or reuse) .venv and install the package with all three backends,
-# pinned by constraints.txt. Only Python 3.10+ is needed beforehand.
+# Both create (or reuse) .venv and install the package, pinned by
+# constraints.txt: the demo only its backend's framework (JAX by default,
+# `make demo BACKEND=torch`), the tests all three. Only Python 3.10+ is
+# needed beforehand.
 
 PYTHON ?= python3
 VENV := .venv
@@ -19,19 +21,26 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed-base: $(PY) pyproject.toml constraints.txt
-	$(PIP) -e ".[all-cpu,demo]"
+DEMO_BACKEND := $(or $(BACKEND),jax)
+# The extra that installs each backend's framework (TensorFlow: the CPU build).
+EXTRA_jax := jax
+EXTRA_tensorflow := tensorflow-cpu
+EXTRA_torch := torch
+
+$(VENV)/.installed-demo-%: $(PY) pyproject.toml constraints.txt
+	@test -n "$(EXTRA_$*)" || { echo "BACKEND must be one of: $(BACKENDS)"; exit 1; }
+	$(PIP) -e ".[$(EXTRA_$*),demo]"
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed-base
+$(VENV)/.installed-test: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[all-cpu,test]"
 	touch $@
 
 # Trains a small classifier with composed penalties and PenaltyMonitor, prints
 # the per-term table and writes demo_output/penalty_monitor_<backend>.png.
-demo: $(VENV)/.installed-base
+demo: $(VENV)/.installed-demo-$(DEMO_BACKEND)
 	@mkdir -p demo_output
-	KERAS_BACKEND=$(or $(BACKEND),jax) PENALTY_MONITOR_PNG=demo_output/penalty_monitor_$(or $(BACKEND),jax).png \
+	KERAS_BACKEND=$(DEMO_BACKEND) PENALTY_MONITOR_PNG=demo_output/penalty_monitor_$(DEMO_BACKEND).png \
 		$(PY) examples/penalty_monitor.py
 
 # The whole suite once per backend; fails if any backend fails.
@@ -46,7 +55,7 @@ test: $(VENV)/.installed-test
 
 # Benchmarks (not tests): `make bench`, or `make bench BACKEND=jax` for one backend.
 # Writes bench/results/<backend>.json and .md.
-$(VENV)/.installed-bench: $(VENV)/.installed-base
+$(VENV)/.installed-bench: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[all-cpu,bench]"
 	touch $@
 

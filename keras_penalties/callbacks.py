@@ -553,23 +553,25 @@ class PenaltyMonitor(keras.callbacks.Callback):
         figure, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), sharex=True, squeeze=False)
         for key in sources.term_keys:
             axes[0, 0].plot(steps, [e[f"{key}/contribution"] for e in self.history], label=key)
-        axes[0, 0].plot(steps, [e["base_loss"] for e in self.history], "k--", label="base loss")
-        axes[0, 0].set_ylabel("contribution to the loss")
+        axes[0, 0].plot(steps, [e["base_loss"] for e in self.history], "k--", label="base_loss (compiled loss)")
+        axes[0, 0].plot(steps, [e["total"] for e in self.history], "k", label="total (training loss)")
+        axes[0, 0].set_ylabel("contribution to the loss\n(weight × term)")
         axes[0, 0].legend(fontsize="small")
         if self.grad_norms:
             for key in sources.term_keys:
                 axes[1, 0].plot(steps, [e[f"{key}/grad_norm_weighted"] for e in self.history], label=key)
-            axes[1, 0].plot(steps, [e["base_loss/grad_norm"] for e in self.history], "k--", label="base loss")
-            axes[1, 0].plot(steps, [e["total/grad_norm"] for e in self.history], "k", label="total")
+            axes[1, 0].plot(steps, [e["base_loss/grad_norm"] for e in self.history], "k--", label="base_loss (compiled loss)")
+            axes[1, 0].plot(steps, [e["total/grad_norm"] for e in self.history], "k", label="total (training loss)")
             axes[1, 0].set_yscale("log")
-            axes[1, 0].set_ylabel("weighted ‖∂/∂θ‖")
+            axes[1, 0].set_ylabel("weighted gradient norm\n‖∂(w·term)/∂θ‖")
             axes[1, 0].legend(fontsize="small")
         if moving:
             for key in moving:
                 axes[-1, 0].plot(steps, [e[f"{key}/weight"] for e in self.history], label=key)
             axes[-1, 0].set_ylabel("term weight")
             axes[-1, 0].legend(fontsize="small")
-        axes[-1, 0].set_xlabel("training step")
+        axes[-1, 0].set_xlabel("training step (probes every %d batches)" % self.every_n_batches)
+        figure.suptitle(f"Penalty terms while training ({keras.backend.backend()} backend)")
         figure.tight_layout()
         return figure
 
