@@ -43,15 +43,22 @@ demo: $(VENV)/.installed-demo-$(DEMO_BACKEND)
 	KERAS_BACKEND=$(DEMO_BACKEND) PENALTY_MONITOR_PNG=demo_output/penalty_monitor_$(DEMO_BACKEND).png \
 		$(PY) examples/penalty_monitor.py
 
-# The whole suite once per backend; fails if any backend fails.
+# The whole suite once per backend, then the package as PyPI would get it
+# (sdist and wheel, `twine check --strict`); fails if any of them fails.
 test: $(VENV)/.installed-test
 	@failed=""; \
 	for b in $(BACKENDS); do \
 		echo "== KERAS_BACKEND=$$b"; \
 		KERAS_BACKEND=$$b $(PY) -m pytest || failed="$$failed $$b"; \
 	done; \
+	echo "== package: build, twine check"; \
+	dist=$$(mktemp -d); \
+	{ $(PY) -m build --no-isolation --outdir $$dist . > $$dist/build.log 2>&1 \
+		&& $(PY) -m twine check --strict $$dist/*.whl $$dist/*.tar.gz; } \
+		|| { cat $$dist/build.log; failed="$$failed package"; }; \
+	rm -rf $$dist; \
 	if [ -n "$$failed" ]; then echo "make test: failed on:$$failed"; exit 1; fi; \
-	echo "make test: passed on $(BACKENDS)"
+	echo "make test: passed on $(BACKENDS) and the package check"
 
 # Benchmarks (not tests): `make bench`, or `make bench BACKEND=jax` for one backend.
 # Writes bench/results/<backend>.json and .md.
