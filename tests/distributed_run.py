@@ -64,7 +64,7 @@ def build():
     ramp = keras.optimizers.schedules.PolynomialDecay(0.0, 8, 0.2)
     hidden = CompositeObjective(
         {
-            "l1": Term("l1", 0.01),  # per-sample mean (sum over batch size)
+            "l1": Term("l1", 0.01, metrics={"l2": "l2"}),  # per-sample mean; a custom metric beside it
             "l1_sum": Term("l1", 0.001, options={"reduction": "sum"}),  # sum over samples
             "ent": Term("entropy", ramp, options={"from_logits": True}),
             "mag": R.OutputMagnitude(0.05),  # a Regularizer term

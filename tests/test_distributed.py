@@ -8,7 +8,7 @@ Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
 (`MirroredStrategy`). The run holds mean and sum terms, a schedule, a
 Regularizer term, a CompositeLoss with mean, sum and ops terms, a callback
 that calls set_weight/disable/enable, and adaptive weights (an
-uncertainty-weighted objective with a chunked entropy term, DynamicWeightAverage
+uncertainty-weighted objective with a chunked entropy term, a per-term custom metric, DynamicWeightAverage
 on the loss, GradNorm on the objective).
 """
 
@@ -46,7 +46,7 @@ def test_two_devices_match_one(mode):
     for key in ("predictions", "history/loss", "history/obj/l1_sum", "history/closs/mae_sum",
                 "history/dense_a/kernel_regularizer", "evaluate/obj/ent", "probe0/total/grad_norm",
                 "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm",
-                "history/closs/mse/weight", "history/uobj/ent/weight", "history/uobj/ent", "gradnorm5/grad_norms",
+                "history/closs/mse/weight", "history/uobj/ent/weight", "history/uobj/ent", "history/obj/l1/l2", "gradnorm5/grad_norms",
                 "gradnorm5/weights", "log_variances"):
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
