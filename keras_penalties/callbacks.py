@@ -682,6 +682,10 @@ class GradNorm(keras.callbacks.Callback):
             `CompositeLoss`).
         every_n_batches: probe every this many training batches (≥ 1).
 
+    It overrides `on_train_batch_end` (the weights must be set before the
+    next step), so while it is among the callbacks Keras dispatches batch
+    ends synchronously.
+
     Attributes:
         history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
             and `"weights"` (after the update), each a dict by term.
