@@ -35,6 +35,7 @@ def main():
         "orthogonality(weights, spectral)": P.orthogonality(weights, mode="spectral"),
         "output_magnitude(logits)": P.output_magnitude(logits),
         "kl_sparsity(sigmoid(logits), 0.05)": P.kl_sparsity(activations),
+        "gaussian_kl(logits, teacher)": P.gaussian_kl(logits, teacher),
     }
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
     width = max(map(len, values))
