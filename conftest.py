@@ -10,6 +10,7 @@ except ImportError:
     pass
 
 import keras
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Derandomized so a CI failure reproduces; no deadline because the first call
@@ -26,3 +27,12 @@ settings.load_profile("keras_penalties")
 
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend: {keras.backend.backend()}"
+
+
+@pytest.fixture
+def policy(request):
+    """A global dtype policy for one test (parametrize with indirect=True),
+    reset to float32 afterwards."""
+    keras.config.set_dtype_policy(request.param)
+    yield request.param
+    keras.config.set_dtype_policy("float32")

@@ -3,7 +3,6 @@ norms, in the training logs) and the adaptive weightings
 `DynamicWeightAverage` and `GradNorm`."""
 
 import math
-import re
 import threading
 import time
 import warnings
@@ -14,7 +13,7 @@ from keras import ops
 
 from keras_penalties import _capture, gradients
 from keras_penalties.losses import CompositeLoss
-from keras_penalties.objective import CompositeObjective
+from keras_penalties.objective import _METRIC_NAME, CompositeObjective
 from keras_penalties.ops import _numerics as num
 
 
@@ -79,6 +78,18 @@ def _find_target(model, target):
     )
 
 
+def _settable_target(model, target, method):
+    """`_find_target`, refusing a target whose weights are learned: the
+    adaptive `method` sets them."""
+    found = _find_target(model, target)
+    if found.weighting is not None:
+        raise ValueError(
+            f"`target` {found.name!r} has weighting={found.weighting!r}, which learns its "
+            f"weights; {method} sets them: build it without `weighting`."
+        )
+    return found
+
+
 def _log_weights(target, logs):
     if logs is not None:
         logs.update({f"{target.name}/{term}/weight": w for term, w in target.weights_in_use().items()})
@@ -107,9 +118,6 @@ def _probe_batch(probe_data):
     return x, y
 
 
-_SCORE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
 def _check_external(external, timeout):
     """`external` (dict name → callable) and `external_timeout`, checked."""
     if external is None:
@@ -117,7 +125,7 @@ def _check_external(external, timeout):
     if not isinstance(external, dict):
         raise TypeError(f"`external` must be a dict of name -> function, or None; got {external!r}.")
     for name, fn in external.items():
-        if not isinstance(name, str) or not _SCORE_NAME.match(name):
+        if not isinstance(name, str) or not _METRIC_NAME.match(name):
             raise ValueError(
                 f"`external` names must be non-empty strings of letters, digits, '_', '.' or '-'; got {name!r}."
             )
@@ -607,12 +615,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        self.target = _find_target(model, self.target_spec)
-        if self.target.weighting is not None:
-            raise ValueError(
-                f"`target` {self.target.name!r} has weighting={self.target.weighting!r}, which learns its "
-                "weights; DynamicWeightAverage sets them: build it without `weighting`."
-            )
+        self.target = _settable_target(model, self.target_spec, "DynamicWeightAverage")
         if isinstance(self.target, CompositeLoss):
             _register(model, [self.target.tracker])
             self.target.tracker_registered = True
@@ -709,12 +712,7 @@ class GradNorm(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        self.target = _find_target(model, self.target_spec)
-        if self.target.weighting is not None:
-            raise ValueError(
-                f"`target` {self.target.name!r} has weighting={self.target.weighting!r}, which learns its "
-                "weights; GradNorm sets them: build it without `weighting`."
-            )
+        self.target = _settable_target(model, self.target_spec, "GradNorm")
         layers = _layers(model)
         found = [l for l in layers if l is self.layer_spec or l.name == self.layer_spec]
         if not found:

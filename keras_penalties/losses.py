@@ -451,8 +451,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         values = []
         for term in self.terms.values():
             if term.metrics:
-                two = term.kind == "loss" or (term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS)
-                values.extend(term.metric_values(*((y_true, y_pred) if two else (y_pred,))))
+                values.extend(term.metric_values(*((y_true, y_pred) if _takes_both(term) else (y_pred,))))
         return values
 
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
@@ -464,7 +463,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
                 # Keras' Loss divided its mean by the replicas in scope; undo it.
                 value = value * float(backend.loss_replicas())
             return value
-        if term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS:
+        if _takes_both(term):
             return scalar(name, term(y_true, y_pred))
         return scalar(name, term(y_pred))
 
@@ -516,5 +515,11 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
 
 
 _TWO_INPUT_OPS = ("kl_divergence", "js_divergence", "consistency")
+
+
+def _takes_both(term):
+    """Whether a CompositeLoss term (a Loss or a two-input op) is fed
+    (y_true, y_pred); the others get y_pred alone."""
+    return term.kind == "loss" or (term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS)
 
 __all__ = ["KLDivergence", "JSDivergence", "Entropy", "Consistency", "CompositeLoss"]

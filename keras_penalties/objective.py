@@ -129,10 +129,19 @@ def _loadable(name, obj):
     )
 
 
-def _metric_op(name):
-    """An ops function named as a metric, with the default reduction a term by
-    that name gets."""
-    fn = _OPS[name]
+def _op_named(argument, name):
+    """The ops function `name` names; a ValueError naming `argument` otherwise."""
+    if name not in _OPS:
+        raise ValueError(
+            f"`{argument}` must name a keras_penalties.ops function, one of {sorted(_OPS)}; got {name!r}."
+        )
+    return _OPS[name]
+
+
+def _metric_op(argument, name):
+    """An ops function named as a metric (by `argument`), with the default
+    reduction a term by that name gets."""
+    fn = _op_named(argument, name)
     if name in _BATCH_MEAN_BY_DEFAULT:
         return functools.partial(fn, reduction="sum_over_batch_size")
     return fn
@@ -152,11 +161,7 @@ def _check_metrics(metrics):
                 f"(letters, digits, '_', '.', '-'); got {name!r}."
             )
         if isinstance(fn, str):
-            if fn not in _OPS:
-                raise ValueError(
-                    f"`metrics[{name!r}]` must name a keras_penalties.ops function, one of {sorted(_OPS)}; got {fn!r}."
-                )
-            fn = _metric_op(fn)
+            fn = _metric_op(f"metrics[{name!r}]", fn)
         elif not callable(fn) or isinstance(fn, type):
             raise TypeError(f"`metrics[{name!r}]` must be a callable or an ops function name; got {fn!r}.")
         checked[name] = fn
@@ -224,12 +229,7 @@ class Term:
                 f"write e.g. {penalty.__name__}(...)."
             )
         if isinstance(penalty, str):
-            if penalty not in _OPS:
-                raise ValueError(
-                    f"`penalty` must name a keras_penalties.ops function, one of "
-                    f"{sorted(_OPS)}; got {penalty!r}."
-                )
-            penalty = _OPS[penalty]
+            penalty = _op_named("penalty", penalty)
         if any(penalty is fn for fn in _OPS.values()):
             self.kind = "op"
             if penalty.__name__ in _BATCH_MEAN_BY_DEFAULT:
@@ -620,13 +620,13 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         return scalar(name, term(*self._arguments(name, term, inputs)))
 
     def _values(self, inputs):
-        """Each term's unweighted value, in term order, stacked."""
-        inputs = as_float32(inputs)
+        """Each term's unweighted value, in term order, stacked; `inputs`
+        already as `as_float32` gives them."""
         return ops.stack([self._term_value(name, inputs) for name in self.terms])
 
     def _metric_values(self, inputs):
-        """Each term's custom metrics (`metric_keys` order), as a list of scalars."""
-        inputs = as_float32(inputs)
+        """Each term's custom metrics (`metric_keys` order), as a list of
+        scalars; `inputs` already as `as_float32` gives them."""
         values = []
         for name, term in self.terms.items():
             if term.metrics:
@@ -699,7 +699,8 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         state["losses"].append(total)
 
     def call(self, inputs, training=None):
-        values = self._values(inputs)
+        floats = as_float32(inputs)  # half-precision activations, once per call
+        values = self._values(floats)
         _capture.record(self, values)
         values = whole_batch_values(values, self._sums)
         state = self._pass(training)
@@ -708,7 +709,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         row[_EVAL if not training else _TRAIN] = 1.0
         row = ops.convert_to_tensor(row)
         if self.metric_keys:
-            values = ops.concatenate([values, ops.stack(self._metric_values(inputs))])
+            values = ops.concatenate([values, ops.stack(self._metric_values(floats))])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
         self.value_sums.assign(self.value_sums.value + row * values[None, :])
@@ -733,7 +734,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         custom training loop, or on tensors received from elsewhere (e.g. a
         remote trainer's logprobs).
         """
-        values = self._values(inputs)
+        values = self._values(as_float32(inputs))
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
 
@@ -792,7 +793,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         base = base_loss(inputs) if callable(base_loss) else base_loss
         base_value = None if base is None else float(ops.convert_to_numpy(base))
         norms = gradients.gradient_norms(self, inputs, base_loss=base_loss if callable(base_loss) else None) if grad_norms else {}
-        metrics = dict(zip(self.metric_keys, (float(ops.convert_to_numpy(v)) for v in self._metric_values(inputs))))
+        metrics = dict(zip(self.metric_keys, (float(ops.convert_to_numpy(v)) for v in self._metric_values(as_float32(inputs)))))
         regularizers = {}
         for i, name in enumerate(self.terms):
             if name not in values:

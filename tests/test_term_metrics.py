@@ -26,13 +26,6 @@ def max_error(y_true, y_pred):
     return keras.ops.max(keras.ops.abs(y_true - y_pred))
 
 
-@pytest.fixture
-def policy(request):
-    keras.config.set_dtype_policy(request.param)
-    yield request.param
-    keras.config.set_dtype_policy("float32")
-
-
 def _model(metrics=None):
     """relu(x·K) with K frozen, so the activations are known; the objective
     and the loss each carry custom metrics."""

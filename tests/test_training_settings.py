@@ -26,13 +26,6 @@ X = (np.round(RNG.normal(size=(32, 6)) * 8) / 8).clip(-3.875, 3.875).astype("flo
 Y = RNG.normal(size=(32, 2)).astype("float32")
 
 
-@pytest.fixture
-def policy(request):
-    keras.config.set_dtype_policy(request.param)
-    yield request.param
-    keras.config.set_dtype_policy("float32")
-
-
 def _entropy_from_logits(h):
     return O.np_entropy(h.astype(np.float64), from_logits=True)
 

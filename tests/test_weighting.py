@@ -19,13 +19,6 @@ Y = (RNG.normal(size=(8, 2)) * np.array([10.0, 0.1])).astype("float32")  # two s
 KERNEL = RNG.normal(size=(3, 2)).astype("float32")
 
 
-@pytest.fixture
-def policy(request):
-    keras.config.set_dtype_policy(request.param)
-    yield request.param
-    keras.config.set_dtype_policy("float32")
-
-
 def _terms_of(h):
     """The oracle's l2 and l1 values with the objective's default batch mean."""
     h = h.astype(np.float64)
