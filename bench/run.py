@@ -155,7 +155,7 @@ def run(small, repeats, only, output, memory=True):
         rows = [{"repeats": old["repeats"], **row} for row in old["cases"]]
     report = {"backend": native.BACKEND, "small": small, "repeats": repeats, "machine": machine(), "cases": rows}
     for index, case in enumerate(CASES):
-        if only and only not in case.name:
+        if only and not _selected(case.name, only):
             continue
         row = measure(index, small, repeats, memory)
         print(_line(row), flush=True)
@@ -163,6 +163,11 @@ def run(small, repeats, only, output, memory=True):
         path.write_text(json.dumps(report, indent=2))
         (output / f"{native.BACKEND}.md").write_text(markdown(report))
     return report
+
+
+def _selected(name, only):
+    """`only` matches a name containing it; a trailing "$" makes it match only at the name's end."""
+    return name.endswith(only[:-1]) if only.endswith("$") else only in name
 
 
 def _merge(old_rows, new_rows):
@@ -224,7 +229,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny sizes, for the smoke test")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    parser.add_argument("--only", default=None, help='run the cases whose name contains this ("...$": ends with it)')
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--memory", nargs=2, metavar=("INDEX", "SIDE"), help=argparse.SUPPRESS)
     parser.add_argument("--time", nargs=2, metavar=("INDEX", "REPEATS"), help=argparse.SUPPRESS)

@@ -35,6 +35,14 @@ def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch
     assert "not measured: " in (tmp_path / f"{report['backend']}.md").read_text()
 
 
+def test_only_with_a_trailing_dollar_matches_the_end_of_a_name():
+    # A chunked LLM row's name is also the start of its "vs none" row's.
+    names = [c.name for c in run.CASES]
+    chunked = next(name for name in names if name + " vs none" in names)
+    assert [name for name in names if run._selected(name, chunked)] == [chunked, chunked + " vs none"]
+    assert [name for name in names if run._selected(name, chunked + "$")] == [chunked]
+
+
 def test_the_summary_table_has_a_row_per_committed_case():
     text = summary.table()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]

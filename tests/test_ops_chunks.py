@@ -127,7 +127,7 @@ def test_no_rows_give_zero_with_a_finite_gradient():
     assert g.shape == empty.shape
 
 
-def _distill_model(chunk_size):
+def _distill_model(chunk_size, jit_compile="auto"):
     """Student logits trained towards fixed teacher logits by a chunked,
     masked KL plus an entropy bonus: rows per batch vary (a partial last
     batch), so the row count is known only at run time under TF's trace."""
@@ -145,18 +145,28 @@ def _distill_model(chunk_size):
     )
     out = objective({"teacher": teacher, "student": student, "mask": mask})
     model = keras.Model([tokens, teacher, mask], out)
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None, jit_compile=jit_compile)
     return model
 
 
-def test_fit_with_chunks_equals_fit_without():
+@pytest.mark.parametrize(
+    "jit_compile",
+    [
+        "auto",  # XLA on JAX; a tf.function without XLA on TF (Keras' default on CPU); eager torch
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch is torch.compile, not XLA; the chunks there are the same eager loop"),
+        ),
+    ],
+)
+def test_fit_with_chunks_equals_fit_without(jit_compile):
     n = 10  # batches of 4, 4 and 2
     tokens = RNG.normal(size=(n,) + SHAPE[1:]).astype("float32")
     teacher = RNG.normal(scale=2.0, size=(n,) + SHAPE[1:]).astype("float32")
     mask = (RNG.uniform(size=(n, 4)) < 0.7).astype("float32")
     weights = {}
     for chunk_size in (None, 3):
-        model = _distill_model(chunk_size)
+        model = _distill_model(chunk_size, jit_compile)
         history = model.fit([tokens, teacher, mask], epochs=2, batch_size=4, shuffle=False, verbose=0)
         weights[chunk_size] = (model.get_weights(), history.history["loss"])
     for a, b in zip(weights[None][0], weights[3][0]):
@@ -171,19 +181,25 @@ def test_rows_known_only_at_run_time_on_tensorflow():
 
     spec = tf.TensorSpec([None, None, SHAPE[-1]], tf.float32)
 
-    @tf.function(input_signature=[spec, spec, tf.TensorSpec([None, None], tf.float32)])
-    def chunked(p, q, mask):
-        with tf.GradientTape() as tape:
-            tape.watch(q)
+    def value_and_grads(p, q, mask):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([p, q])
             value = P.js_divergence(p, q, from_logits=True, beta=0.3, chunk_size=5, mask=mask)
-        return value, tape.gradient(value, q)
+        # Each input's gradient is its own loop in the graph: ask for one, then both.
+        return value, tape.gradient(value, q), tape.gradient(value, [p, q])
 
-    for rows in (3, 1, 0):
-        p, q, mask = P_LOGITS[:rows], Q_LOGITS[:rows], MASK[:rows]
-        value, g = chunked(p, q, mask)
-        np.testing.assert_allclose(float(value), float(P.js_divergence(p, q, from_logits=True, beta=0.3, mask=mask)), rtol=1e-5, atol=1e-7)
-        expected = grad(lambda t: P.js_divergence(p, t, from_logits=True, beta=0.3, mask=mask), q)
-        np.testing.assert_allclose(g.numpy(), expected, rtol=1e-5, atol=1e-7)
+    signature = [spec, spec, tf.TensorSpec([None, None], tf.float32)]
+    for jit_compile in (False, True):  # InplaceUpdate into one buffer; under XLA a TensorArray
+        chunked = tf.function(value_and_grads, input_signature=signature, jit_compile=jit_compile)
+        for rows in (3, 1, 0):
+            p, q, mask = P_LOGITS[:rows], Q_LOGITS[:rows], MASK[:rows]
+            value, g, (gp, gq) = chunked(p, q, mask)
+            np.testing.assert_allclose(float(value), float(P.js_divergence(p, q, from_logits=True, beta=0.3, mask=mask)), rtol=1e-5, atol=1e-7)
+            expected_p = grad(lambda t: P.js_divergence(t, q, from_logits=True, beta=0.3, mask=mask), p)
+            expected_q = grad(lambda t: P.js_divergence(p, t, from_logits=True, beta=0.3, mask=mask), q)
+            np.testing.assert_allclose(g.numpy(), expected_q, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(gq.numpy(), expected_q, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(gp.numpy(), expected_p, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit of value_and_grad; the other backends' traced paths are covered by fit above")

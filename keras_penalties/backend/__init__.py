@@ -10,8 +10,10 @@ organises `keras/src/backend/`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
 - `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
   that backend (shared exp under XLA; exp(log_softmax) on TF).
-- `map_chunks(fn, chunks)`: `fn` over the leading axis of a tuple of
-  tensors, stacked (`keras.ops.map`; on torch a loop over `unbind`).
+- `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
+  of tensors, stacked, each chunk recomputed in the backward pass
+  (`keras.ops.map` of `keras.remat`; on torch a loop over `unbind`; on TF
+  a custom gradient with one loop per input).
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.

@@ -2,6 +2,7 @@
 answers of the replica functions (JAX's distribution works on global arrays;
 Keras has no torch distribution)."""
 
+import keras
 from keras import ops
 
 
@@ -23,10 +24,12 @@ def sum_of_squares(x):
     return ops.sum(ops.square(x))
 
 
-def map_chunks(fn, chunks):
-    """`fn` over the leading axis of the tuple `chunks`, stacked: a scan
-    (`keras.ops.map`), so XLA keeps one chunk's temporaries at a time."""
-    return ops.map(fn, chunks)
+def map_chunks(fn, chunks, dtype):
+    """`fn` over the leading axis of the tuple `chunks`, stacked (values of
+    `dtype`), each chunk recomputed in the backward pass: a scan
+    (`keras.ops.map`) of `keras.remat(fn)`, so XLA keeps one chunk's
+    temporaries at a time."""
+    return ops.map(keras.remat(fn), chunks)
 
 
 def replicas_in_sync():

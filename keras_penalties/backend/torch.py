@@ -1,5 +1,6 @@
 """PyTorch: `torch.autograd.grad`; Keras has no torch distribution."""
 
+import keras
 import torch
 
 from keras_penalties.backend._common import (  # noqa: F401
@@ -12,11 +13,13 @@ from keras_penalties.backend._common import (  # noqa: F401
 )
 
 
-def map_chunks(fn, chunks):
-    """`fn` over the leading axis of `chunks`, stacked. Keras' torch scan
+def map_chunks(fn, chunks, dtype):
+    """`fn` over the leading axis of `chunks`, stacked, each chunk
+    recomputed in the backward pass (`keras.remat`). Keras' torch scan
     indexes `x[i]`, whose backward pass writes a zero-filled copy of the
     whole input per chunk (16 chunks of [8192, 32000]: 3.4x the peer's
     time); `unbind` hands each chunk's gradient back in one stack."""
+    fn = keras.remat(fn)
     return torch.stack([fn(chunk) for chunk in zip(*(c.unbind(0) for c in chunks))])
 
 

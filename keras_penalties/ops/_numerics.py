@@ -367,10 +367,11 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
 
     With `chunk_size`, the rows of the tensors (every axis but `axis`,
     flattened) are taken `chunk_size` at a time under `backend.map_chunks`
-    (`ops.map`, a scan; a loop over `unbind` on torch), each chunk
-    cast and computed inside `keras.remat`: the backward pass recomputes a
-    chunk instead of keeping its temporaries, so value + gradient hold
-    O(chunk_size × classes) of them rather than O(rows × classes). A map, not
+    (`ops.map` of `keras.remat`, a scan; a loop over `unbind` on torch; a
+    custom gradient on TF), each chunk cast and computed there: the
+    backward pass recomputes a chunk instead of keeping its temporaries, so
+    value + gradient hold O(chunk_size × classes) of them rather than
+    O(rows × classes). A map, not
     a Python loop: XLA keeps every slice of an unrolled loop alive. The row
     count may be known only at run time; rows short of a whole chunk are
     padded with ones (finite as logits and as probabilities) and dropped.
@@ -390,9 +391,8 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
         rows = [ops.concatenate([r, ops.ones((pad, classes), r.dtype)], axis=0) for r in rows]
     rows = tuple(ops.reshape(r, (chunks, chunk_size, classes)) for r in rows)
 
-    @keras.remat
     def chunk_values(chunk):
         return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1)
 
-    values = ops.reshape(backend.map_chunks(chunk_values, rows), (-1,))
+    values = ops.reshape(backend.map_chunks(chunk_values, rows, compute), (-1,))
     return ops.reshape(values[:n], shape[:-1])
