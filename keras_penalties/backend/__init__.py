@@ -13,7 +13,7 @@ organises `keras/src/backend/`:
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, each chunk recomputed in the backward pass
   (`keras.ops.map` of `keras.remat`; on torch a loop over `unbind`; on TF
-  a custom gradient with one loop per input).
+  one loop under a custom gradient that keeps each row's gradient instead).
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.

@@ -25,64 +25,84 @@ def _in_xla():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+def _recorded(tensor):
+    """Whether a gradient tape records `tensor` (someone may ask for its
+    gradient). TF's own `custom_gradient` asks this; the helper is private,
+    and without it every input counts as recorded."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - a TF without the helper
+        return True
+    return record.should_record_backprop([tensor])
+
+
 def map_chunks(fn, chunks, dtype):
     """`fn` over the leading axis of the tuple `chunks`, stacked (values of
-    `dtype`), each chunk recomputed in the backward pass.
+    `dtype`), without keeping any chunk's temporaries for the backward pass.
 
     Not `keras.ops.map` of `keras.remat(fn)` (`tf.map_fn` of
     `tf.recompute_grad`): map_fn copies every input into a TensorArray, its
     while loop's gradient keeps each chunk it read, and a graph while loop
     runs ten iterations at once, each holding its chunk's temporaries.
     Value + gradient of a masked KL on [2048, 32000] logits peaked at 6× the
-    input (1.5 GB; raw TF 5×). Here the forward loop slices one chunk at a
-    time, and the gradient loop recomputes each chunk under a tape of its
-    own and writes its gradient into one buffer in place (`InplaceUpdate`
-    on a fresh `Empty`, as `tf.parallel_stack` does): 1.5× the input.
-    Under XLA, which lacks `InplaceUpdate`, the gradient goes to a
-    TensorArray, which XLA keeps as one buffer.
+    input (1.5 GB; raw TF 5×), and recomputing each chunk made it 1.3-1.9×
+    raw TF's time.
 
-    Each input's gradient is a loop of its own, which a `tf.function` prunes
-    when nothing asks for it (a teacher's logits); run eagerly, all are
-    computed. The gradient is not itself differentiable (no second order).
+    Here one loop slices one chunk at a time and computes, with the values,
+    each row's gradient of its own value (a row's value depends on that row
+    alone, so the gradient of the chunk's sum is exactly that), for the
+    inputs a tape records. The backward pass only scales those rows by the
+    upstream gradient: nothing is recomputed. The rows' gradients go into
+    one buffer in place (`InplaceUpdate` on a fresh `Empty`, as
+    `tf.parallel_stack` does); XLA, which has no `InplaceUpdate`, keeps a
+    TensorArray as one buffer. The gradient is not itself differentiable
+    (no second order).
     """
     chunks = tuple(chunks)
     count = tf.shape(chunks[0])[0]
+    wanted = [j for j, chunk in enumerate(chunks) if _recorded(chunk)]
+    xla = _in_xla()
 
-    def loop(body, init):
-        # One iteration at a time: parallel ones would each hold a chunk.
-        return tf.while_loop(lambda i, _: i < count, body, (tf.constant(0), init), parallel_iterations=1, maximum_iterations=count)[1]
+    def buffer(x):
+        if xla:
+            return tf.TensorArray(dtype, size=count)
+        # Every chunk is written, so the buffer needs no zeros first.
+        return tf.raw_ops.Empty(shape=tf.shape(x), dtype=dtype)
+
+    def put(rows, i, chunk_rows):
+        if xla:
+            return rows.write(i, chunk_rows)
+        return tf.raw_ops.InplaceUpdate(x=rows, i=tf.reshape(i, [1]), v=chunk_rows[None])
 
     @tf.custom_gradient
     def run(*xs):
-        def value(i, out):
-            return i + 1, out.write(i, fn(tuple(x[i] for x in xs)))
+        # The gradient is `gradient` below: an outer persistent tape must not
+        # differentiate the loop itself (InplaceUpdate has no gradient).
+        xs = [tf.stop_gradient(x) for x in xs]
 
-        values = loop(value, tf.TensorArray(dtype, size=count)).stack()
+        def step(i, values, slopes):
+            chunk = [tf.cast(x[i], dtype) for x in xs]
+            watched = [chunk[j] for j in wanted]
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                chunk_values = fn(tuple(chunk))
+            grads = tape.gradient(chunk_values, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+            return i + 1, values.write(i, chunk_values), tuple(put(s, i, g) for s, g in zip(slopes, grads))
+
+        # One iteration at a time: parallel ones would each hold a chunk.
+        start = (tf.constant(0), tf.TensorArray(dtype, size=count), tuple(buffer(xs[j]) for j in wanted))
+        _, values, slopes = tf.while_loop(
+            lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count
+        )
+        slopes = [s.stack() if xla else s for s in slopes]
 
         def gradient(upstream):
-            def of(j):
-                def step(i, out):
-                    chunk = [x[i] for x in xs]
-                    with tf.GradientTape() as tape:
-                        tape.watch(chunk[j])
-                        chunk_values = fn(tuple(chunk))
-                    g = tape.gradient(
-                        chunk_values, chunk[j], output_gradients=upstream[i], unconnected_gradients=tf.UnconnectedGradients.ZERO
-                    )
-                    if xla:
-                        return i + 1, out.write(i, g)
-                    return i + 1, tf.raw_ops.InplaceUpdate(x=out, i=tf.reshape(i, [1]), v=g[None])
+            grads = [None] * len(xs)
+            for j, s in zip(wanted, slopes):
+                grads[j] = tf.cast(upstream[..., None] * s, xs[j].dtype)
+            return grads
 
-                if xla:  # XLA has no InplaceUpdate; it keeps a TensorArray as one buffer
-                    return loop(step, tf.TensorArray(xs[j].dtype, size=count)).stack()
-                # Every chunk is written, so the buffer needs no zeros first.
-                return loop(step, tf.raw_ops.Empty(shape=tf.shape(xs[j]), dtype=xs[j].dtype))
-
-            xla = _in_xla()
-
-            return [of(j) for j in range(len(xs))]
-
-        return values, gradient
+        return values.stack(), gradient
 
     return run(*chunks)
 

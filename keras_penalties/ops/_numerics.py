@@ -367,10 +367,11 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
 
     With `chunk_size`, the rows of the tensors (every axis but `axis`,
     flattened) are taken `chunk_size` at a time under `backend.map_chunks`
-    (`ops.map` of `keras.remat`, a scan; a loop over `unbind` on torch; a
-    custom gradient on TF), each chunk cast and computed there: the
-    backward pass recomputes a chunk instead of keeping its temporaries, so
-    value + gradient hold O(chunk_size × classes) of them rather than
+    (`ops.map` of `keras.remat`, a scan; a loop over `unbind` on torch),
+    each chunk cast and computed there: the backward pass recomputes a
+    chunk instead of keeping its temporaries (on TF a custom gradient keeps
+    each row's gradient, formed with its value, instead), so value +
+    gradient hold O(chunk_size × classes) of them rather than
     O(rows × classes). A map, not
     a Python loop: XLA keeps every slice of an unrolled loop alive. The row
     count may be known only at run time; rows short of a whole chunk are
