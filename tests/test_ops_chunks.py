@@ -185,7 +185,8 @@ def test_rows_known_only_at_run_time_on_tensorflow():
         with tf.GradientTape(persistent=True) as tape:
             tape.watch([p, q])
             value = P.js_divergence(p, q, from_logits=True, beta=0.3, chunk_size=5, mask=mask)
-        # Each input's gradient is its own loop in the graph: ask for one, then both.
+        # The rows' gradients are kept for every recorded input; a persistent
+        # tape uses them twice: for one input, then for both.
         return value, tape.gradient(value, q), tape.gradient(value, [p, q])
 
     signature = [spec, spec, tf.TensorSpec([None, None], tf.float32)]

@@ -372,10 +372,10 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
     chunk instead of keeping its temporaries (on TF a custom gradient keeps
     each row's gradient, formed with its value, instead), so value +
     gradient hold O(chunk_size × classes) of them rather than
-    O(rows × classes). A map, not
-    a Python loop: XLA keeps every slice of an unrolled loop alive. The row
-    count may be known only at run time; rows short of a whole chunk are
-    padded with ones (finite as logits and as probabilities) and dropped.
+    O(rows × classes). A map, not a Python loop: XLA keeps every slice of
+    an unrolled loop alive. The row count may be known only at run time;
+    rows short of a whole chunk are padded with ones (finite as logits and
+    as probabilities) and dropped.
     """
     if chunk_size is None:
         return values_fn(*[ops.cast(t, compute) for t in tensors], axis=axis)
