@@ -1,4 +1,5 @@
-"""Prints every penalty in keras_penalties.ops on one example batch.
+"""Prints every penalty in keras_penalties.ops on one example batch (`linear`
+appears as the logits of a cross-entropy).
 
 Run on any backend:  KERAS_BACKEND=torch python examples/print_penalties.py
 """
@@ -14,6 +15,9 @@ def main():
     logits = rng.normal(size=(4, 5)).astype("float32")
     teacher = rng.normal(size=(4, 5)).astype("float32")
     weights = rng.normal(size=(6, 3)).astype("float32")
+    labels = rng.integers(0, 5, size=(4,))
+    hidden = rng.normal(size=(4, 3)).astype("float32")
+    head = rng.normal(size=(3, 5)).astype("float32")  # a vocabulary projection [H, V]
     activations = keras.ops.convert_to_numpy(keras.ops.sigmoid(logits))
     values = {
         "l1(logits)": P.l1(logits),
@@ -36,6 +40,11 @@ def main():
         "output_magnitude(logits)": P.output_magnitude(logits),
         "kl_sparsity(sigmoid(logits), 0.05)": P.kl_sparsity(activations),
         "gaussian_kl(logits, teacher)": P.gaussian_kl(logits, teacher),
+        "cross_entropy(labels, logits)": P.cross_entropy(labels, logits),
+        # Logits never formed: hidden states and the head, two rows per chunk.
+        "cross_entropy(labels, linear(hidden, head), chunks)": P.cross_entropy(
+            labels, P.linear(hidden, head), chunk_size=2
+        ),
     }
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
     width = max(map(len, values))

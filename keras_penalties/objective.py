@@ -41,7 +41,7 @@ from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
 _METRIC_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_OPS = {name: getattr(penalties, name) for name in penalties.__all__}
+_OPS = {name: getattr(penalties, name) for name in penalties.PENALTIES}
 _TRAIN, _EVAL = 0, 1
 
 

@@ -83,6 +83,22 @@ def np_entropy(x, from_logits=False, normalize=False, temperature=1.0, axis=-1, 
     return _reduce(values, reduction)
 
 
+def np_cross_entropy(labels, logits, from_logits=True, label_smoothing=0.0, temperature=1.0, axis=-1, reduction="mean"):
+    """−(1 − ε)·log p(label) − ε·mean_k log p_k at each position (Keras'
+    smoothing: the one-hot target becomes (1 − ε)·onehot + ε/K)."""
+    p = _dist(np.moveaxis(logits, axis, -1), from_logits, temperature, -1)
+    logp = np.log(p)
+    picked = np.take_along_axis(logp, np.asarray(labels, int)[..., None], axis=-1)[..., 0]
+    return _reduce(-(1.0 - label_smoothing) * picked - label_smoothing * logp.mean(axis=-1), reduction)
+
+
+def np_linear(hidden, kernel, bias=None, transpose_kernel=False):
+    """The logits hidden @ kernel (+ bias) in float64; kernel [V, H] if transposed."""
+    kernel = np.asarray(kernel, np.float64)
+    logits = np.asarray(hidden, np.float64) @ (kernel.T if transpose_kernel else kernel)
+    return logits if bias is None else logits + np.asarray(bias, np.float64)
+
+
 def np_consistency(a, b, metric="mse", from_logits=False, axis=-1, reduction="mean"):
     if metric == "kl":
         return np_kl_divergence(a, b, from_logits, "symmetric", axis=axis, reduction=reduction)

@@ -59,6 +59,21 @@ ERRORS = {
     "axis_range": (lambda: P.entropy(X, axis=2), ValueError, r"`axis`=2 is out of range for an input of rank 2"),
     "axis_type": (lambda: P.kl_divergence(X, X, axis="last"), TypeError, r"`axis` must be an int"),
     "cosine_rank": (lambda: P.consistency(np.ones(3), np.ones(3), metric="cosine"), ValueError, r"`metric='cosine'`.*rank >= 2"),
+    # ops.linear and ops.cross_entropy (SPEC §10)
+    "linear_features": (lambda: P.linear(X, np.ones((4, 5))), ValueError, r"`kernel`'s first axis \(4\) must equal `hidden`'s last axis \(3\).*transpose_kernel=True"),
+    "linear_features_tied": (lambda: P.linear(X, np.ones((5, 4)), transpose_kernel=True), ValueError, r"`kernel`'s second axis \(4\) must equal `hidden`'s last axis \(3\)"),
+    "linear_kernel_rank": (lambda: P.linear(X, np.ones(3)), ValueError, r"`kernel` must have rank 2"),
+    "linear_bias": (lambda: P.linear(X, np.ones((3, 5)), np.ones(4)), ValueError, r"`bias` must have shape \(5,\), one per class; got \(4,\)"),
+    "linear_hidden_rank": (lambda: P.linear(np.float32(1.0), np.ones((1, 3))), ValueError, r"`hidden` must have rank >= 1"),
+    "linear_transpose_type": (lambda: P.linear(U, U, transpose_kernel="yes"), TypeError, r"`transpose_kernel` must be a bool"),
+    "linear_from_logits": (lambda: P.kl_divergence(P.linear(X, np.ones((3, 5))), np.ones((2, 5))), ValueError, r"`p` is ops.linear\(...\) logits: pass `from_logits=True`"),
+    "linear_shapes": (lambda: P.js_divergence(P.linear(X, np.ones((3, 5))), np.ones((2, 4)), from_logits=True), ValueError, r"`p` and `q` must have the same shape; got \(2, 5\) and \(2, 4\)"),
+    "linear_reduction_none": (lambda: P.entropy(P.linear(X, np.ones((3, 5))), from_logits=True, reduction="none", chunk_size=2), ValueError, r"`reduction='none'` with ops.linear"),
+    "linear_axis": (lambda: P.entropy(P.linear(np.ones((2, 4, 3)), np.ones((3, 5))), from_logits=True, axis=1), ValueError, r"`axis` must be the last axis"),
+    "labels_shape": (lambda: P.cross_entropy(np.zeros(3), P.linear(np.ones((2, 4, 3)), np.ones((3, 5)))), ValueError, r"`labels` must have the logits' shape without the class axis, \(2, 4\)"),
+    "labels_rank": (lambda: P.cross_entropy(np.zeros((2, 1)), X), ValueError, r"`labels` must have the logits' shape without the class axis, \(2,\)"),
+    "label_smoothing": (lambda: P.cross_entropy(U, U, label_smoothing=1.5), ValueError, r"`label_smoothing` must be in \[0, 1\]"),
+    "cross_entropy_rank": (lambda: P.cross_entropy(np.zeros(()), np.float32(1.0)), ValueError, r"`logits` must have rank >= 1"),
 }
 
 

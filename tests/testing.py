@@ -1,7 +1,8 @@
 """Helpers every test module shares: conversion, gradients, finite differences.
 
 The suite runs once per backend (KERAS_BACKEND); nothing here branches on it
-except `float64_scope`, because JAX keeps float64 off unless asked.
+except `float64_scope`, because JAX keeps float64 off unless asked, and
+`compiled`, because eager JAX compiles a scan anew on every call.
 """
 
 import contextlib
@@ -10,6 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties.gradients import input_gradient
 
 BACKEND = keras.backend.backend()
@@ -28,6 +30,23 @@ def to_numpy(x):
 def grad(fn, x):
     """NumPy gradient of Σ fn(x) w.r.t. x, through the package's own dispatcher."""
     return to_numpy(input_gradient(fn, ops.convert_to_tensor(x)))
+
+
+def grads(fn, *xs):
+    """NumPy gradients of the scalar fn(*xs) w.r.t. each of xs, in one
+    backward pass (one compilation of fn on eager JAX, not one per input)."""
+    return [to_numpy(g) for g in backend.gradients(fn, [ops.convert_to_tensor(x) for x in xs])]
+
+
+def compiled(fn):
+    """`fn`, compiled once on JAX: an eager call of a chunked op traces and
+    compiles its scan every time (about 0.3 s), which finite differences
+    over a hundred coordinates cannot afford. Elsewhere `fn` itself."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    return fn
 
 
 @contextlib.contextmanager

@@ -14,6 +14,15 @@ organises `keras/src/backend/`:
   of tensors, stacked, each chunk recomputed in the backward pass
   (`keras.ops.map` of `keras.remat`; on torch a loop over `unbind`; on TF
   one loop under a custom gradient that keeps each row's gradient instead).
+- `chunked_sum(fn, rows, shared, weights, chunk_size, dtype)`: the scalar
+  Σᵣ weights[r]·fn(chunk of `rows`, `shared`)[r] over chunks of
+  `chunk_size` rows, whose gradient w.r.t. the rows and `shared` (e.g.
+  hidden states and a vocabulary projection) is formed in the forward pass
+  for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
+  `autograd.Function`), so nothing is recomputed and no chunk's temporaries
+  outlive it.
+- `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
+  `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
@@ -44,8 +53,22 @@ replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
 map_chunks = _module.map_chunks
+chunked_sum = _module.chunked_sum
+project = _module.project
 sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution
 
-__all__ = ["gradients", "parameter_probe", "replicas_in_sync", "sum_over_replicas", "loss_replicas", "outside_distribution"]
+__all__ = [
+    "chunked_sum",
+    "gradients",
+    "loss_replicas",
+    "map_chunks",
+    "outside_distribution",
+    "parameter_probe",
+    "project",
+    "replicas_in_sync",
+    "softmax_pair",
+    "sum_of_squares",
+    "sum_over_replicas",
+]

@@ -60,7 +60,7 @@ def map_chunks(fn, chunks, dtype):
     """
     chunks = tuple(chunks)
     count = tf.shape(chunks[0])[0]
-    wanted = [j for j, chunk in enumerate(chunks) if _recorded(chunk)]
+    wanted = [j for j, chunk in enumerate(chunks) if chunk.dtype.is_floating and _recorded(chunk)]
     xla = _in_xla()
 
     def buffer(x):
@@ -81,7 +81,7 @@ def map_chunks(fn, chunks, dtype):
         xs = [tf.stop_gradient(x) for x in xs]
 
         def step(i, values, slopes):
-            chunk = [tf.cast(x[i], dtype) for x in xs]
+            chunk = [tf.cast(x[i], dtype) if x.dtype.is_floating else x[i] for x in xs]
             watched = [chunk[j] for j in wanted]
             with tf.GradientTape() as tape:
                 tape.watch(watched)
@@ -105,6 +105,94 @@ def map_chunks(fn, chunks, dtype):
         return values.stack(), gradient
 
     return run(*chunks)
+
+
+def project(rows, kernel, transpose_kernel):
+    """`rows @ kernel`, or `rows @ kernelᵀ` (MatMul's `transpose_b`: no
+    transposed copy; `tf.transpose` would write one eagerly)."""
+    return tf.matmul(rows, tf.convert_to_tensor(kernel), transpose_b=transpose_kernel)
+
+
+def chunked_sum(fn, rows, shared, weights, chunk_size, dtype):
+    """Σᵣ weights[r]·fn(rows chunk, shared)[r], `chunk_size` rows at a time,
+    with the gradient formed in the forward pass.
+
+    As `map_chunks`: one while loop, one chunk at a time, whose body also
+    takes the gradient of the chunk's weighted sum w.r.t. the chunk's rows
+    (into one buffer in place) and w.r.t. `shared` (summed in the loop),
+    for the inputs a tape records; the backward pass only scales them by
+    the upstream scalar. A frozen teacher's hidden states and kernel are
+    not recorded, so they cost one forward product per chunk. First order
+    only.
+    """
+    # Keras variables (a head's kernel) are read here, on the tape: Keras'
+    # convert_to_tensor hands a variable back as it is.
+    rows, shared = [tf.convert_to_tensor(t) for t in rows], [tf.convert_to_tensor(t) for t in shared]
+    n_rows = len(rows)
+    inputs = rows + shared
+    wanted = [k for k, t in enumerate(inputs) if t.dtype.is_floating and _recorded(t)]
+    row_wanted = [k for k in wanted if k < n_rows]
+    shared_wanted = [k for k in wanted if k >= n_rows]
+    xla = _in_xla()
+
+    def cast(x):
+        return tf.cast(x, dtype) if x.dtype.is_floating else x
+
+    @tf.custom_gradient
+    def run(weights, *tensors):
+        # The gradient is `gradient` below: an outer persistent tape must not
+        # differentiate the loop itself (InplaceUpdate has no gradient).
+        tensors = [tf.stop_gradient(t) for t in tensors]
+        chunked = [tf.reshape(r, tf.concat([[-1, chunk_size], tf.shape(r)[1:]], 0)) for r in tensors[:n_rows]]
+        shared_values = [cast(s) for s in tensors[n_rows:]]
+        weights = tf.reshape(weights, [-1, chunk_size])
+        count = tf.shape(weights)[0]
+
+        def buffer(k):
+            if xla:
+                return tf.TensorArray(inputs[k].dtype, size=count)
+            return tf.raw_ops.Empty(shape=tf.shape(chunked[k]), dtype=inputs[k].dtype)
+
+        def put(rows_so_far, i, chunk_rows):
+            if xla:
+                return rows_so_far.write(i, chunk_rows)
+            return tf.raw_ops.InplaceUpdate(x=rows_so_far, i=tf.reshape(i, [1]), v=chunk_rows[None])
+
+        def step(i, total, shared_grads, row_grads):
+            chunk = [cast(c[i]) for c in chunked]
+            watched = [chunk[k] for k in row_wanted] + [shared_values[k - n_rows] for k in shared_wanted]
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                value = tf.reduce_sum(weights[i] * fn(chunk, shared_values))
+            grads = tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+            row_part, shared_part = grads[: len(row_wanted)], grads[len(row_wanted) :]
+            row_grads = tuple(put(b, i, tf.cast(g, inputs[k].dtype)) for b, g, k in zip(row_grads, row_part, row_wanted))
+            shared_grads = tuple(a + g for a, g in zip(shared_grads, shared_part))
+            return i + 1, total + value, shared_grads, row_grads
+
+        # One iteration at a time: parallel ones would each hold a chunk.
+        start = (
+            tf.constant(0),
+            tf.zeros((), dtype),
+            tuple(tf.zeros_like(shared_values[k - n_rows]) for k in shared_wanted),
+            tuple(buffer(k) for k in row_wanted),
+        )
+        _, total, shared_grads, row_grads = tf.while_loop(
+            lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count
+        )
+        row_grads = [tf.reshape(g.stack() if xla else g, tf.shape(tensors[k])) for g, k in zip(row_grads, row_wanted)]
+
+        def gradient(upstream):
+            grads = [None] * len(tensors)
+            for k, g in zip(row_wanted, row_grads):
+                grads[k] = tf.cast(tf.cast(g, dtype) * upstream, tensors[k].dtype)
+            for k, g in zip(shared_wanted, shared_grads):
+                grads[k] = tf.cast(g * upstream, tensors[k].dtype)
+            return [None] + grads
+
+        return total, gradient
+
+    return run(weights, *inputs)
 
 
 def gradients(fn, tensors):

@@ -14,11 +14,15 @@ from keras_penalties.ops.divergences import (
     kl_divergence,
     kl_sparsity,
 )
+from keras_penalties.ops._tokens import LinearLogits
+from keras_penalties.ops.heads import cross_entropy, linear
 from keras_penalties.ops.magnitude import elastic_net, l1, l2, output_magnitude
 from keras_penalties.ops.orthogonality import orthogonality
 
 __all__ = [
+    "LinearLogits",
     "consistency",
+    "cross_entropy",
     "elastic_net",
     "entropy",
     "gaussian_kl",
@@ -27,6 +31,11 @@ __all__ = [
     "kl_sparsity",
     "l1",
     "l2",
+    "linear",
     "orthogonality",
     "output_magnitude",
 ]
+
+# The functions a `Term` may name: each returns a scalar penalty (not
+# `linear`, which describes logits for them).
+PENALTIES = tuple(name for name in __all__ if name not in ("LinearLogits", "linear"))

@@ -190,10 +190,14 @@ def dtypes(*tensors):
     """`(tensors, compute_dtype, output_dtype)` without casting yet, for
     callers that cast piece by piece (`per_sample` with chunks)."""
     tensors = [ops.convert_to_tensor(t) for t in tensors]
-    dtype = _common_float_dtype(
-        [keras.backend.standardize_dtype(t.dtype) for t in tensors]
-    )
-    return tensors, "float32" if dtype in _HALF_DTYPES else dtype, dtype
+    return (tensors, *dtype_pair(tensors))
+
+
+def dtype_pair(tensors):
+    """`(compute_dtype, output_dtype)` of tensors: half precision computes in
+    float32; the output is their common float dtype (floatx for integers)."""
+    dtype = _common_float_dtype([keras.backend.standardize_dtype(t.dtype) for t in tensors])
+    return "float32" if dtype in _HALF_DTYPES else dtype, dtype
 
 
 def _common_float_dtype(dtypes):
@@ -242,9 +246,11 @@ def count(x, axis=None):
 
 
 def at_least_one(n):
-    """max(n, 1) for a Python int or a symbolic size: a sum over nothing is
-    0, and 0 divided by it stays 0 (an empty batch gives 0, not NaN)."""
-    return max(n, 1) if isinstance(n, int) else ops.maximum(n, 1)
+    """max(n, 1) for a size: a sum over nothing is 0, and 0 divided by it
+    stays 0 (an empty batch gives 0, not NaN). A size known only at run time
+    is a tensor on TensorFlow; on JAX, in a layer's symbolic call, it is a
+    symbolic dimension, which must stay one (a shape cannot hold an array)."""
+    return ops.maximum(n, 1) if ops.is_tensor(n) else max(n, 1)
 
 
 def mean(x, axis=None):
@@ -257,6 +263,10 @@ def mean(x, axis=None):
 def batch_size(x):
     """The size of axis 0 (1 for a scalar), at least 1."""
     return at_least_one(ops.shape(x)[0]) if len(x.shape) else 1
+
+
+# Why a divergence, an entropy or a cross-entropy needs rank >= 1.
+DISTRIBUTION_AXIS = "a distribution axis"
 
 
 def check_rank(name, x, minimum, what):
@@ -361,9 +371,10 @@ def masked_reduce(values, mask, reduction):
     return total / at_least_one(ops.sum(ops.cast(mask, total.dtype)))
 
 
-def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
+def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
     """`values_fn(*tensors, axis=axis)`, the per-sample values, with the
-    tensors cast to `compute` first.
+    tensors cast to `compute` first; `labels` (integers of the per-sample
+    shape), if given, are passed on as `labels=`.
 
     With `chunk_size`, the rows of the tensors (every axis but `axis`,
     flattened) are taken `chunk_size` at a time under `backend.map_chunks`
@@ -375,10 +386,11 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
     O(rows × classes). A map, not a Python loop: XLA keeps every slice of
     an unrolled loop alive. The row count may be known only at run time;
     rows short of a whole chunk are padded with ones (finite as logits and
-    as probabilities) and dropped.
+    as probabilities; label 0) and dropped.
     """
+    extra = {} if labels is None else {"labels": labels}
     if chunk_size is None:
-        return values_fn(*[ops.cast(t, compute) for t in tensors], axis=axis)
+        return values_fn(*[ops.cast(t, compute) for t in tensors], axis=axis, **extra)
     last = len(tensors[0].shape) - 1
     if axis != last:
         tensors = [ops.moveaxis(t, axis, -1) for t in tensors]
@@ -390,10 +402,18 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None):
     pad = chunks * chunk_size - n
     if not isinstance(pad, int) or pad:
         rows = [ops.concatenate([r, ops.ones((pad, classes), r.dtype)], axis=0) for r in rows]
-    rows = tuple(ops.reshape(r, (chunks, chunk_size, classes)) for r in rows)
+    rows = [ops.reshape(r, (chunks, chunk_size, classes)) for r in rows]
+    if labels is not None:
+        flat = ops.reshape(labels, (-1,))
+        if not isinstance(pad, int) or pad:
+            flat = ops.concatenate([flat, ops.zeros((pad,), flat.dtype)], axis=0)
+        rows.append(ops.reshape(flat, (chunks, chunk_size)))
 
     def chunk_values(chunk):
-        return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1)
+        if labels is None:
+            return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1)
+        *chunk, chunk_labels = chunk
+        return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1, labels=chunk_labels)
 
-    values = ops.reshape(backend.map_chunks(chunk_values, rows, compute), (-1,))
+    values = ops.reshape(backend.map_chunks(chunk_values, tuple(rows), compute), (-1,))
     return ops.reshape(values[:n], shape[:-1])

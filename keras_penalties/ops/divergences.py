@@ -21,6 +21,7 @@ import numpy as np
 from keras import ops
 
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops._tokens import token_level
 
 DIRECTIONS = ("forward", "reverse", "symmetric")
 METRICS = ("mse", "l1", "cosine", "kl", "js")
@@ -35,28 +36,13 @@ _DISTRIBUTION_OPTIONS = dict(
 _TOKEN_OPTIONS = dict(chunk_size=num.optional(num.positive_integer))
 
 
-_NO_AXIS = "a distribution axis"
 
 
 def _check_pair(p, q, names, axis, min_rank=1):
     num.check_same_shape(names, p, q)
     if min_rank:
-        num.check_rank(names[0], p, min_rank, _NO_AXIS)
+        num.check_rank(names[0], p, min_rank, num.DISTRIBUTION_AXIS)
     return num.check_axis("axis", axis, max(len(p.shape), 1))
-
-
-def _token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size):
-    """The reduced values of `values_fn` over `tensors` for kl, js and entropy,
-    with their `mask` and `chunk_size` (see `kl_divergence`)."""
-    tensors, compute, dtype = num.dtypes(*tensors)
-    if len(tensors) == 2:
-        axis = _check_pair(*tensors, names, axis)
-    else:
-        num.check_rank(names[0], tensors[0], 1, _NO_AXIS)
-        axis = num.check_axis("axis", axis, len(tensors[0].shape))
-    mask = num.sample_mask(mask, tensors[0], axis)
-    values = num.per_sample(values_fn, tensors, axis, compute, chunk_size)
-    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
 def _kl_from_log(p, logp, logq, axis):
@@ -85,7 +71,9 @@ def kl_divergence(
 
     Args:
         p, q: tensors of the same shape; probabilities along `axis`, or
-            logits if `from_logits`.
+            logits if `from_logits`. Either or both may be `ops.linear(...)`
+            lazy logits (hidden states and a vocabulary projection), with
+            `from_logits=True` and the classes on the last axis.
         from_logits: whether p and q are logits.
         direction: `"forward"`, `"reverse"` or `"symmetric"`.
         temperature: T > 0 applied to both distributions (see module doc).
@@ -99,11 +87,17 @@ def kl_divergence(
             none is); with `"none"` they are 0.
         chunk_size: None, or an int >= 1: compute the per-sample values
             `chunk_size` rows at a time (the rows are every position, all
-            axes but `axis` flattened), each chunk recomputed in the backward
-            pass (`keras.remat`) under `keras.ops.map`. Value + gradient then
-            hold temporaries of `chunk_size × classes` instead of the whole
-            array's: for LLM logits, e.g. [8192, 128256]. Equal to the
-            unchunked result to float32 rounding.
+            axes but `axis` flattened), one chunk's temporaries alive at a
+            time, forward and backward (a scan of rematerialised chunks on
+            JAX; on TensorFlow one loop that forms each row's gradient with
+            its value; on torch a loop of rematerialised chunks). Value +
+            gradient then hold temporaries of `chunk_size × classes` instead
+            of the whole array's: for LLM logits, e.g. [8192, 128256]. With
+            `ops.linear(...)` inputs the logits themselves are formed a
+            chunk at a time, and each chunk's gradient w.r.t. the hidden
+            states, kernel and bias is taken in the forward pass
+            (`reduction` "mean" or "sum"). Equal to the unchunked result to
+            float32 rounding.
 
     Example:
 
@@ -114,7 +108,7 @@ def kl_divergence(
     0.0
     """
     values = functools.partial(_kl_values, direction=direction, from_logits=from_logits, temperature=temperature)
-    return _token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size)
+    return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
 def _kl_values(p, q, *, direction, from_logits, temperature, axis):
@@ -181,7 +175,7 @@ def js_divergence(
     0.562335
     """
     values = functools.partial(_js_values, from_logits=from_logits, temperature=temperature, beta=beta)
-    return _token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size)
+    return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
 @num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
@@ -191,7 +185,8 @@ def entropy(
     """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
 
     Args:
-        x: probabilities along `axis`, or logits if `from_logits`.
+        x: probabilities along `axis`, or logits if `from_logits`, or
+            `ops.linear(...)` lazy logits (as in `kl_divergence`).
         from_logits: whether x holds logits.
         normalize: divide by ln(K), K the size of `axis`, so 0 ≤ H ≤ 1
             (a single-class axis has entropy 0).
@@ -201,8 +196,7 @@ def entropy(
             axes.
         mask: None, or the per-sample positions that count (as in
             `kl_divergence`).
-        chunk_size: None, or rows per rematerialised chunk (as in
-            `kl_divergence`).
+        chunk_size: None, or rows per chunk (as in `kl_divergence`).
 
     Example:
 
@@ -213,7 +207,7 @@ def entropy(
     1.0
     """
     values = functools.partial(_entropy_values, from_logits=from_logits, normalize=normalize, temperature=temperature)
-    return _token_level(values, (x,), ("x",), axis, reduction, mask, chunk_size)
+    return token_level(values, (x,), ("x",), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
 def _entropy_values(x, *, from_logits, normalize, temperature, axis):

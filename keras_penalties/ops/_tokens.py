@@ -1,0 +1,180 @@
+"""Token-level evaluation shared by `kl_divergence`, `js_divergence`,
+`entropy` and `cross_entropy`: one value per position (every axis but the
+class axis) from one or two class tensors, and integer labels for
+`cross_entropy`, reduced over the positions a mask keeps, whole or in chunks.
+
+A class tensor may be lazy logits, `LinearLogits` (what `ops.linear`
+returns): hidden @ kernel (+ bias). Without `chunk_size` they are formed
+whole. With it they are formed one chunk at a time inside
+`backend.chunked_sum`, which takes each chunk's gradient w.r.t. the hidden
+rows, the kernel and the bias while the chunk's logits exist: no
+[positions, classes] array is ever formed, forward or backward.
+"""
+
+from keras import ops
+
+from keras_penalties import backend
+from keras_penalties.ops import _numerics as num
+
+
+
+class LinearLogits:
+    """The logits `hidden @ kernel (+ bias)`, described but not formed: what
+    `keras_penalties.ops.linear` returns, accepted as logits by
+    `kl_divergence`, `js_divergence`, `entropy` and `cross_entropy`.
+
+    Attributes: `hidden` [..., H]; `kernel` [H, V], or [V, H] with
+    `transpose_kernel`; `bias` [V] or None; `shape`, the logits' shape
+    (`hidden`'s leading axes, then V).
+    """
+
+    def __init__(self, hidden, kernel, bias, transpose_kernel):
+        self.hidden = hidden
+        self.kernel = kernel
+        self.bias = bias
+        self.transpose_kernel = transpose_kernel
+
+    @property
+    def classes(self):
+        return self.kernel.shape[0 if self.transpose_kernel else 1]
+
+    @property
+    def shape(self):
+        return tuple(self.hidden.shape[:-1]) + (self.classes,)
+
+    def parts(self):
+        """Every tensor the logits are made of (for their dtype)."""
+        return [self.hidden] + self.params()
+
+    def params(self):
+        """What every row shares: the kernel, then the bias if any."""
+        return [self.kernel] if self.bias is None else [self.kernel, self.bias]
+
+    def rows(self):
+        """The hidden states as rows: [positions, H]."""
+        return ops.reshape(self.hidden, (-1, ops.shape(self.hidden)[-1]))
+
+    def logits_of(self, rows, params):
+        """The logits of hidden `rows` [n, H] with `params` (as `params()`)."""
+        logits = backend.project(rows, params[0], self.transpose_kernel)
+        return logits if len(params) == 1 else logits + params[1]
+
+    def materialise(self, compute):
+        """The whole logits, computed in `compute` (float32 from half inputs)."""
+        logits = self.logits_of(ops.cast(self.rows(), compute), [ops.cast(p, compute) for p in self.params()])
+        return ops.reshape(logits, tuple(ops.shape(self.hidden)[:-1]) + (self.classes,))
+
+    def __repr__(self):
+        kernel = "kernelᵀ" if self.transpose_kernel else "kernel"
+        bias = "" if self.bias is None else " + bias"
+        return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}>"
+
+
+def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None):
+    """`values_fn(*tensors, axis=axis[, labels=labels])`, the per-position
+    values, reduced over the positions `mask` keeps (see `kl_divergence`).
+
+    `tensors` are one or two class tensors (named `names` in errors), any of
+    them `LinearLogits`; `labels`, if given, has the per-position shape.
+    """
+    lazy = [isinstance(t, LinearLogits) for t in tensors]
+    if any(lazy):
+        _check_lazy(names, lazy, from_logits, reduction, chunk_size)
+    tensors = [t if is_lazy else ops.convert_to_tensor(t) for t, is_lazy in zip(tensors, lazy)]
+    compute, dtype = num.dtype_pair([p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])])
+    if len(tensors) == 2:
+        num.check_same_shape(names, *tensors)
+    num.check_rank(names[0], tensors[0], 1, num.DISTRIBUTION_AXIS)
+    rank = len(tensors[0].shape)
+    axis = num.check_axis("axis", axis, rank)
+    if any(lazy) and axis != rank - 1:
+        raise ValueError(
+            f"`axis` must be the last axis (-1) when an input is ops.linear(...): its classes are "
+            f"the kernel's outputs, last; got axis={axis} for logits of rank {rank}."
+        )
+    mask = num.sample_mask(mask, tensors[0], axis)
+    if labels is not None:
+        labels = _labels(labels, tensors[0], axis, mask)
+    if any(lazy) and chunk_size is not None:
+        return num.from_compute(_fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute), dtype)
+    tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
+    values = num.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
+    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
+
+
+def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
+    name = names[lazy.index(True)]
+    if not from_logits:
+        raise ValueError(f"`{name}` is ops.linear(...) logits: pass `from_logits=True`.")
+    if reduction == "none" and chunk_size is not None:
+        raise ValueError(
+            f"`reduction='none'` with ops.linear(...) logits and `chunk_size`: each position's "
+            "gradient w.r.t. the kernel would need that position's upstream gradient, that is the "
+            "whole [positions, classes] logits gradient the chunks exist to avoid. Use 'mean' or "
+            "'sum' (a mask selects positions), or chunk_size=None to form the logits."
+        )
+
+
+def _labels(labels, like, axis, mask):
+    """`labels` as int32 of the per-position shape of `like`; 0 where `mask`
+    drops a position (padding labels such as -100 never index a class)."""
+    labels = ops.convert_to_tensor(labels)
+    expected = tuple(d for i, d in enumerate(like.shape) if i != axis)
+    got = tuple(labels.shape)
+    if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+        raise ValueError(
+            f"`labels` must have the logits' shape without the class axis, {expected} (one class "
+            f"index per position); got {got}."
+        )
+    labels = ops.cast(labels, "int32")
+    return labels if mask is None else ops.where(mask, labels, ops.zeros_like(labels))
+
+
+def _row_weights(mask, reduction, n, compute):
+    """Each row's weight in the reduced total: kept (1) or masked (0), over
+    the number kept for `"mean"` (0 when none is)."""
+    if mask is None:
+        weights, kept = ops.ones((n,), compute), n
+    else:
+        weights = ops.cast(ops.reshape(mask, (-1,)), compute)
+        kept = ops.sum(weights)
+    if reduction == "mean":
+        weights = weights / ops.cast(num.at_least_one(kept), compute)
+    return weights
+
+
+def _fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute):
+    """The reduced total with lazy logits formed one chunk at a time: the
+    rows are every hidden, logits and label tensor flattened to [positions,
+    ...]; kernels and biases are shared by every chunk."""
+    rows, shared, logit_makers = [], [], []
+    for t in tensors:
+        row = len(rows)
+        if isinstance(t, LinearLogits):
+            first, count = len(shared), len(t.params())
+            logit_makers.append(
+                lambda chunk, params, t=t, row=row, first=first, count=count: t.logits_of(chunk[row], params[first : first + count])
+            )
+            rows.append(t.rows())
+            shared.extend(t.params())
+        else:
+            logit_makers.append(lambda chunk, params, row=row: chunk[row])
+            rows.append(ops.reshape(t, (-1, ops.shape(t)[-1])))
+    if labels is not None:
+        rows.append(ops.reshape(labels, (-1,)))
+
+    def values(chunk, params):
+        logits = [make(chunk, params) for make in logit_makers]
+        extra = {} if labels is None else {"labels": chunk[-1]}
+        return values_fn(*logits, axis=-1, **extra)
+
+    n = ops.shape(rows[0])[0]
+    weights = _row_weights(mask, reduction, n, compute)
+    chunks = num.at_least_one((n + chunk_size - 1) // chunk_size)
+    pad = chunks * chunk_size - n
+    if not isinstance(pad, int) or pad:
+        # Padding rows weigh 0: zero hidden states give the bias as logits,
+        # zero logits and label 0 are as finite, and none adds to the total.
+        rows = [ops.concatenate([r, ops.zeros((pad,) + tuple(ops.shape(r)[1:]), r.dtype)], axis=0) for r in rows]
+        weights = ops.concatenate([weights, ops.zeros((pad,), compute)], axis=0)
+    return backend.chunked_sum(values, rows, shared, weights, chunk_size, compute)

@@ -1,0 +1,153 @@
+"""Language-model heads: lazy logits from hidden states, and cross-entropy.
+
+At LLM scale the [tokens, vocab] logits are the memory: a student's logits,
+their gradient and a teacher's logits are three such arrays. `linear`
+describes the logits `hidden @ kernel (+ bias)` without forming them; the
+token-level ops (`kl_divergence`, `js_divergence`, `entropy`,
+`cross_entropy`) accept it wherever they take logits, and with `chunk_size`
+form a chunk's logits only while that chunk is computed (Liger-Kernel's fused
+linear losses, on every Keras backend).
+"""
+
+import functools
+
+from keras import ops
+
+from keras_penalties.ops import _numerics as num
+from keras_penalties.ops._tokens import LinearLogits, token_level
+
+
+@num.options(transpose_kernel=num.boolean)
+def linear(hidden, kernel, bias=None, *, transpose_kernel=False):
+    """The logits `hidden @ kernel (+ bias)`, described but not formed.
+
+    Pass the result, with `from_logits=True`, wherever `kl_divergence`,
+    `js_divergence`, `entropy` or `cross_entropy` take logits, for either
+    or both of their arguments. Without `chunk_size` the logits are formed
+    whole (in float32 from half-precision inputs), as the layer would form
+    them. With `chunk_size`, a chunk's logits exist only while that chunk is
+    computed, forward and backward, and gradients reach `hidden`, `kernel`
+    and `bias` (summed over chunks): for 16 k tokens and a 256 k
+    vocabulary, the 16.8 GB float32 logits and their gradient are never
+    formed.
+
+    Args:
+        hidden: the hidden states [..., H] that feed the vocabulary
+            projection (e.g. a causal LM backbone's output).
+        kernel: [H, V], a `keras.layers.Dense` kernel; or [V, H] with
+            `transpose_kernel=True`, a tied embedding such as keras-hub's
+            `ReversibleEmbedding.embeddings` (read transposed in place,
+            never copied).
+        bias: None, or [V].
+        transpose_kernel: whether `kernel` is [V, H].
+
+    Returns:
+        A `LinearLogits` of shape `hidden.shape[:-1] + (V,)`.
+
+    Raises:
+        ValueError: `kernel` not of rank 2, its H axis not `hidden`'s last
+            axis, or `bias` not of shape [V].
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> hidden = [[math.log(3.0), 0.0]]       # logits [ln 3, 0]: p = [3/4, 1/4]
+    >>> logits = P.linear(hidden, [[1.0, 0.0], [0.0, 1.0]])
+    >>> logits.shape
+    (1, 2)
+    >>> round(float(P.cross_entropy([0], logits, chunk_size=1)), 6)  # −ln(3/4)
+    0.287682
+    """
+    hidden, kernel = ops.convert_to_tensor(hidden), ops.convert_to_tensor(kernel)
+    num.check_rank("hidden", hidden, 1, "a feature axis")
+    if len(kernel.shape) != 2:
+        raise ValueError(f"`kernel` must have rank 2 ([H, V], or [V, H] with transpose_kernel=True); got shape {tuple(kernel.shape)}.")
+    features, axis_name = (kernel.shape[1], "second") if transpose_kernel else (kernel.shape[0], "first")
+    if hidden.shape[-1] is not None and features is not None and hidden.shape[-1] != features:
+        raise ValueError(
+            f"`kernel`'s {axis_name} axis ({features}) must equal `hidden`'s last axis ({hidden.shape[-1]}): "
+            f"got kernel {tuple(kernel.shape)} for hidden {tuple(hidden.shape)}"
+            + ("" if transpose_kernel else " (a tied [V, H] embedding needs transpose_kernel=True)")
+            + "."
+        )
+    lazy = LinearLogits(hidden, kernel, None, transpose_kernel)
+    if bias is not None:
+        bias = ops.convert_to_tensor(bias)
+        if len(bias.shape) != 1 or (bias.shape[0] is not None and lazy.classes is not None and bias.shape[0] != lazy.classes):
+            raise ValueError(f"`bias` must have shape ({lazy.classes},), one per class; got {tuple(bias.shape)}.")
+        lazy.bias = bias
+    return lazy
+
+
+@num.options(
+    from_logits=num.boolean,
+    label_smoothing=num.closed_unit,
+    temperature=num.positive,
+    axis=num.integer,
+    reduction=num.REDUCTION,
+    chunk_size=num.optional(num.positive_integer),
+)
+def cross_entropy(
+    labels,
+    logits,
+    *,
+    from_logits=True,
+    mask=None,
+    label_smoothing=0.0,
+    temperature=1.0,
+    axis=-1,
+    reduction="mean",
+    chunk_size=None,
+):
+    """Cross-entropy of integer labels: −log p(label) along `axis`, in nats.
+
+    The hard-label half of distillation, and plain causal-LM training. Equal
+    to `keras.losses.sparse_categorical_crossentropy(labels, logits,
+    from_logits=True)` at each kept position; with `label_smoothing` ε, to
+    Keras' convention for `categorical_crossentropy`: the one-hot target
+    becomes (1 − ε)·onehot + ε/K, so the value is
+    −(1 − ε)·log p(label) − ε·mean_k log p_k.
+
+    Args:
+        labels: integer class indices, the shape of `logits` without
+            `axis` (e.g. [batch, tokens]). Where `mask` drops a position its
+            label is not read (padding labels such as -100 are fine there);
+            a kept label must lie in [0, K).
+        logits: logits (the default), probabilities with
+            `from_logits=False` (used as given, like `kl_divergence`:
+            unlike Keras, not clipped at 1e-7), or `ops.linear(...)`.
+        from_logits: whether `logits` holds logits.
+        mask: None, or the positions that count (as in `kl_divergence`);
+            `"mean"` averages over the kept positions, Liger-Kernel's
+            `ignore_index` convention.
+        label_smoothing: ε in [0, 1].
+        temperature: T > 0 dividing the logits.
+        axis: the class axis.
+        reduction: `"mean"` (default), `"sum"` or `"none"`.
+        chunk_size: None, or rows per chunk (as in `kl_divergence`).
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> logits = [[0.0, 0.0], [math.log(3.0), 0.0]]  # p = [½, ½] and [¾, ¼]
+    >>> round(float(P.cross_entropy([0, 1], logits)), 6)  # (ln 2 + ln 4) / 2
+    1.039721
+    >>> round(float(P.cross_entropy([0, 1], logits, mask=[1, 0])), 6)  # ln 2
+    0.693147
+    """
+    values = functools.partial(
+        _cross_entropy_values, from_logits=from_logits, label_smoothing=label_smoothing, temperature=temperature
+    )
+    return token_level(
+        values, (logits,), ("logits",), axis, reduction, mask, chunk_size, from_logits=from_logits, labels=labels
+    )
+
+
+def _cross_entropy_values(logits, *, labels, from_logits, label_smoothing, temperature, axis):
+    logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
+    picked = ops.squeeze(ops.take_along_axis(logp, ops.expand_dims(labels, axis), axis=axis), axis)
+    if not label_smoothing:
+        return -picked
+    return -(1.0 - label_smoothing) * picked - label_smoothing * num.mean(logp, axis=axis)
