@@ -343,9 +343,10 @@ def reduce(values, reduction):
     return scale_sum(ops.sum(values), values, reduction)
 
 
-def sample_mask(mask, x, axis):
+def sample_mask(mask, x, axis, name="mask", boolean=True):
     """`mask` as a bool tensor of x's per-sample shape (x's shape without
-    `axis`), nonzero meaning kept; None stays None."""
+    `axis`), nonzero meaning kept; None stays None. With `boolean=False`
+    the values are kept as they are (per-position weights)."""
     if mask is None:
         return None
     mask = ops.convert_to_tensor(mask)
@@ -353,10 +354,10 @@ def sample_mask(mask, x, axis):
     got = tuple(mask.shape)
     if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
         raise ValueError(
-            f"`mask` must have the per-sample shape {expected} (the input's shape without "
+            f"`{name}` must have the per-sample shape {expected} (the input's shape without "
             f"`axis`); got {got}."
         )
-    return ops.cast(mask, "bool")
+    return ops.cast(mask, "bool") if boolean else mask
 
 
 def masked_reduce(values, mask, reduction):

@@ -70,12 +70,14 @@ class LinearLogits:
         return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}>"
 
 
-def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None):
+def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None, weights=None):
     """`values_fn(*tensors, axis=axis[, labels=labels])`, the per-position
     values, reduced over the positions `mask` keeps (see `kl_divergence`).
 
     `tensors` are one or two class tensors (named `names` in errors), any of
     them `LinearLogits`; `labels`, if given, has the per-position shape.
+    `weights` (not with `mask`; `reduction="sum"`): a float per position,
+    giving Σ weights·values (Keras' sample-weighted sum).
     """
     lazy = [isinstance(t, LinearLogits) for t in tensors]
     if any(lazy):
@@ -93,12 +95,17 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
             f"the kernel's outputs, last; got axis={axis} for logits of rank {rank}."
         )
     mask = num.sample_mask(mask, tensors[0], axis)
+    if weights is not None:
+        weights = ops.cast(num.sample_mask(weights, tensors[0], axis, "weights", boolean=False), compute)
     if labels is not None:
         labels = _labels(labels, tensors[0], axis, mask)
     if any(lazy) and chunk_size is not None:
-        return num.from_compute(_fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute), dtype)
+        total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
+        return num.from_compute(total, dtype)
     tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
     values = num.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
+    if weights is not None:
+        return num.from_compute(ops.sum(values * weights), dtype)
     return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
 
 
@@ -130,9 +137,11 @@ def _labels(labels, like, axis, mask):
     return labels if mask is None else ops.where(mask, labels, ops.zeros_like(labels))
 
 
-def _row_weights(mask, reduction, n, compute):
-    """Each row's weight in the reduced total: kept (1) or masked (0), over
-    the number kept for `"mean"` (0 when none is)."""
+def _row_weights(mask, weights, reduction, n, compute):
+    """Each row's weight in the reduced total: `weights` if given, else kept
+    (1) or masked (0), over the number kept for `"mean"` (0 when none is)."""
+    if weights is not None:
+        return ops.reshape(weights, (-1,))
     if mask is None:
         weights, kept = ops.ones((n,), compute), n
     else:
@@ -143,7 +152,7 @@ def _row_weights(mask, reduction, n, compute):
     return weights
 
 
-def _fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute):
+def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute):
     """The reduced total with lazy logits formed one chunk at a time: the
     rows are every hidden, logits and label tensor flattened to [positions,
     ...]; kernels and biases are shared by every chunk."""
@@ -169,7 +178,7 @@ def _fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, comput
         return values_fn(*logits, axis=-1, **extra)
 
     n = ops.shape(rows[0])[0]
-    weights = _row_weights(mask, reduction, n, compute)
+    weights = _row_weights(mask, weights, reduction, n, compute)
     chunks = num.at_least_one((n + chunk_size - 1) // chunk_size)
     pad = chunks * chunk_size - n
     if not isinstance(pad, int) or pad:

@@ -1,0 +1,521 @@
+"""Distillation the Keras way, without Keras' traps (SPEC §10).
+
+`keras.distillation` (Keras >= 3.12), as of Keras 3.15.1:
+- `LogitsDistillation()`'s default `loss="kl_divergence"` applies the
+  probability KL to temperature-scaled logits, without T²;
+- a single distillation loss (not a list) silently resets
+  `distillation_loss_weights` to `[1.0]`;
+- `Distiller.compute_loss` drops the student's own losses (regularizers,
+  `add_loss`, a `CompositeObjective`), ignores `sample_weight`, passes the
+  distillation losses no mask, and logs only their sum;
+- under `tf.distribute` its distillation term is not divided by the number
+  of replicas, as Keras' own losses are.
+
+`LogitsDivergence` is a `keras.distillation.DistillationLoss` that is right
+alone or in a list; `Distiller` is Keras' with those fixed, and, given the
+student's vocabulary projection (`head=`), computes its losses from the
+hidden states without forming the [tokens, vocab] logits.
+"""
+
+import re
+
+import keras
+from keras import ops
+
+from keras_penalties import _keras_internals, backend
+from keras_penalties import ops as penalties
+from keras_penalties._saving import with_hint, without_hint
+from keras_penalties.ops import _numerics as num
+from keras_penalties.ops.heads import weighted_cross_entropy_sum
+
+DIVERGENCES = ("kl", "js")
+
+
+def _token_mask(sample_weight, logits):
+    """A Keras `sample_weight` as the token mask of `logits` (nonzero kept):
+    per token ([batch, tokens]), per sample ([batch], spread over its
+    tokens), or with a trailing axis of 1."""
+    if sample_weight is None:
+        return None
+    weights = ops.convert_to_tensor(sample_weight)
+    rank = len(logits.shape) - 1
+    if len(weights.shape) == rank + 1 and weights.shape[-1] == 1:
+        weights = ops.squeeze(weights, -1)
+    if len(weights.shape) > rank:
+        raise ValueError(
+            f"`sample_weight` of shape {tuple(weights.shape)} does not fit logits of shape "
+            f"{tuple(logits.shape)}: give one weight per token or per sample."
+        )
+    while len(weights.shape) < rank:
+        weights = ops.expand_dims(weights, -1)
+    positions = logits.hidden if isinstance(logits, penalties.LinearLogits) else logits
+    return ops.not_equal(ops.broadcast_to(weights, ops.shape(positions)[:-1]), 0)
+
+
+def _positions(logits):
+    """How many positions `logits` has (every axis but the classes)."""
+    tensor = logits.hidden if isinstance(logits, penalties.LinearLogits) else logits
+    shape = ops.shape(tensor)
+    n = 1
+    for d in shape[:-1]:
+        n = n * d
+    return n
+
+
+@keras.saving.register_keras_serializable(package="keras_penalties")
+class LogitsDivergence(keras.distillation.DistillationLoss):
+    """T²·divergence(teacher ‖ student) of logits at temperature T, per kept token.
+
+    A `keras.distillation.DistillationLoss` for Keras' `Distiller` and this
+    package's: Hinton et al.'s softened KL with its T² (so gradients keep
+    their scale as T changes), or the generalized JS divergence of on-policy
+    distillation. Unlike `keras.distillation.LogitsDistillation`, it is the
+    same number alone or in a list, applies softmax itself (log-softmax of
+    the logits / T), and in this package's `Distiller` honours the token mask
+    (`sample_weight`) and accepts `ops.linear(...)` logits from hidden
+    states.
+
+    Args:
+        divergence: `"kl"`: `kl_divergence(teacher, student, direction=...)`
+            (forward is KL(teacher‖student), the usual distillation loss;
+            reverse is KL(student‖teacher), mode-seeking); `"js"`:
+            `js_divergence(teacher, student, beta=...)`, β weighting the
+            teacher.
+        direction: `"forward"`, `"reverse"` or `"symmetric"` (for `"kl"`).
+        beta: β in (0, 1) (for `"js"`).
+        temperature: T > 0 dividing both logits.
+        scale_by_temperature_squared: multiply by T² (the default).
+        chunk_size: None, or rows per chunk (see `kl_divergence`); in a
+            fused `Distiller` the Distiller's `chunk_size` is used when this
+            is None.
+        name: the name logged as `"distillation/<name>"` by `Distiller`.
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties.distillation import LogitsDivergence
+    >>> kd = LogitsDivergence(temperature=2.0)
+    >>> teacher, student = [[0.0, 0.0]], [[2 * math.log(3.0), 0.0]]  # at T = 2: [½, ½] and [¾, ¼]
+    >>> round(float(kd.compute_loss(teacher, student)), 6)  # 4 · ½ln(4/3)
+    0.575364
+    """
+
+    def __init__(
+        self,
+        divergence="kl",
+        *,
+        direction="forward",
+        beta=0.5,
+        temperature=1.0,
+        scale_by_temperature_squared=True,
+        chunk_size=None,
+        name=None,
+    ):
+        self.divergence = num.choice(*DIVERGENCES)("divergence", divergence)
+        kl = penalties.kl_divergence.check_options(direction=direction, temperature=temperature, chunk_size=chunk_size)
+        self.direction, self.temperature, self.chunk_size = kl["direction"], kl["temperature"], kl["chunk_size"]
+        self.beta = penalties.js_divergence.check_options(beta=beta)["beta"]
+        self.scale_by_temperature_squared = num.boolean("scale_by_temperature_squared", scale_by_temperature_squared)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"`name` must be a string or None; got {name!r}.")
+        self.name = name
+
+    def divergence_sum(self, teacher_logits, student_logits, mask=None, chunk_size=None):
+        """Σ over the kept tokens of the unscaled divergence (float32)."""
+        options = dict(from_logits=True, temperature=self.temperature, mask=mask, reduction="sum")
+        options["chunk_size"] = self.chunk_size if self.chunk_size is not None else chunk_size
+        if self.divergence == "kl":
+            value = penalties.kl_divergence(teacher_logits, student_logits, direction=self.direction, **options)
+        else:
+            value = penalties.js_divergence(teacher_logits, student_logits, beta=self.beta, **options)
+        return ops.cast(value, "float32")
+
+    @property
+    def scale(self):
+        return self.temperature**2 if self.scale_by_temperature_squared else 1.0
+
+    def compute_loss(self, teacher_outputs, student_outputs, sample_weight=None, chunk_size=None, **kwargs):
+        """The mean over kept tokens, × T²: a float32 scalar.
+
+        Args:
+            teacher_outputs, student_outputs: logits (or `ops.linear(...)`).
+            sample_weight: None, or per-token (or per-sample) weights read as
+                a mask: tokens of weight 0 (padding, prompt) do not count.
+            chunk_size: used when the loss has none of its own.
+        """
+        teacher_outputs, student_outputs = (
+            t if isinstance(t, penalties.LinearLogits) else ops.convert_to_tensor(t) for t in (teacher_outputs, student_outputs)
+        )
+        mask = _token_mask(sample_weight, student_outputs)
+        total = self.divergence_sum(teacher_outputs, student_outputs, mask, chunk_size)
+        kept = _positions(student_outputs) if mask is None else ops.sum(ops.cast(mask, "float32"))
+        return self.scale * _mean_over_replicas(total, kept)
+
+    def get_config(self):
+        return with_hint(
+            {
+                "divergence": self.divergence,
+                "direction": self.direction,
+                "beta": self.beta,
+                "temperature": self.temperature,
+                "scale_by_temperature_squared": self.scale_by_temperature_squared,
+                "chunk_size": self.chunk_size,
+                "name": self.name,
+            }
+        )
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**without_hint(config))
+
+
+def _mean_over_replicas(total, count):
+    """total / count, with both summed over the replicas of a
+    `tf.distribute` step and the result × replicas: the replicas' values
+    then average to the global mean over kept tokens (Keras divides each
+    replica's loss by their number), even when replicas keep different
+    numbers of tokens. Elsewhere total / count."""
+    count = ops.cast(count, "float32")
+    replicas = backend.replicas_in_sync()
+    if replicas > 1:
+        (count,) = backend.sum_over_replicas([count])
+        total = total * float(replicas)
+    return total / ops.maximum(count, 1.0)
+
+
+class _Head:
+    """A model's vocabulary projection: the model that computes the hidden
+    states it reads, and its kernel and bias, read when the logits are
+    described (inside the training step, where JAX's stateless scope holds
+    the values)."""
+
+    def __init__(self, model, head, argument):
+        if isinstance(head, str):
+            head = model.get_layer(head)
+        if not isinstance(head, keras.layers.Layer):
+            raise TypeError(f"`{argument}` must be a layer of {model.name} or its name; got {head!r}.")
+        hidden, kwargs = _keras_internals.head_call(model, head, argument)
+        self.layer = head
+        if hasattr(head, "tie_weights") and hasattr(head, "embeddings"):  # a reversible (tied) embedding
+            if getattr(head, "logit_soft_cap", None) is not None:
+                raise ValueError(
+                    f"`{argument}`: {head.name} soft-caps its logits (tanh), so they are not linear in the "
+                    "hidden states; fusing it is not supported."
+                )
+            self.kind = "tied" if head.tie_weights else "untied"
+        elif isinstance(head, keras.layers.Dense):
+            if head.activation is not keras.activations.linear:
+                raise ValueError(f"`{argument}`: {head.name} has an activation; a fused head must be linear (logits).")
+            self.kind = "dense"
+        else:
+            raise TypeError(
+                f"`{argument}` must be a keras.layers.Dense or a reversible embedding (keras-hub's "
+                f"ReversibleEmbedding); got {type(head).__name__}."
+            )
+        if getattr(head, "quantization_mode", None):
+            raise ValueError(f"`{argument}`: {head.name} is quantized; a fused head needs a float kernel.")
+        if self.kind != "dense" and not kwargs.get("reverse"):
+            raise ValueError(f"`{argument}`: {head.name} produces {model.name}'s output without `reverse=True`.")
+        inputs = model.input
+        self.hidden_model = keras.Model(inputs, hidden, name=f"{model.name}_hidden_states")
+
+    def logits(self, hidden):
+        """`ops.linear` of `hidden` through the head."""
+        head = self.layer
+        if self.kind == "tied":
+            return penalties.linear(hidden, head.embeddings, transpose_kernel=True)
+        if self.kind == "untied":
+            return penalties.linear(hidden, head.reverse_embeddings)
+        return penalties.linear(hidden, head.kernel, head.bias if head.use_bias else None)
+
+
+def _snake(name):
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _metric_names(losses):
+    """Each loss's `name`, else its class name in snake case; `_2`, `_3`, …
+    on repeats."""
+    names, seen = [], {}
+    for loss in losses:
+        base = getattr(loss, "name", None) or _snake(type(loss).__name__)
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+    return names
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function as a `Loss` (sample weights, Keras' reduction), as
+    `compile` wraps one."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", None))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
+def _loss_object(loss):
+    """A student loss as a Keras `Loss` that takes `sample_weight`."""
+    if loss is None:
+        return None
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    return loss if isinstance(loss, keras.losses.Loss) else _FunctionLoss(loss)
+
+
+@keras.saving.register_keras_serializable(package="keras_penalties")
+class Distiller(keras.distillation.Distiller):
+    """`keras.distillation.Distiller`, with what Keras 3.15 gets wrong fixed,
+    and fused heads for language models.
+
+    total = w·student_loss + (1 − w)·Σᵢ weightᵢ·distillationᵢ + the
+    student's own losses, w = `student_loss_weight`. As Keras' Distiller,
+    except that:
+
+    - a single distillation loss keeps its `distillation_loss_weights`;
+    - the student's own losses (regularizers, `add_loss`, a
+      `CompositeObjective`) are added to the total;
+    - `sample_weight` reaches the student loss (Keras' convention) and the
+      distillation losses as a token mask: `LogitsDivergence` then averages
+      over the kept tokens;
+    - each distillation loss's unweighted value is logged as
+      `"distillation/<name>"` (its `name`, else its class name in snake case,
+      `_2`, `_3`, … on repeats), beside Keras' `student_loss`,
+      `distillation_loss` and `total_loss`;
+    - under `tf.distribute.MirroredStrategy` the total is what one device
+      computes on the global batch (Keras' own Distiller does not divide its
+      distillation term by the replicas).
+
+    With `head` (the student's vocabulary projection: a `Dense` layer, or a
+    reversed tied embedding such as keras-hub's `ReversibleEmbedding`) the
+    training step computes the distillation losses and the student loss
+    (sparse categorical cross-entropy from logits, with Keras' sample-weight
+    convention: compile with
+    `keras.losses.SparseCategoricalCrossentropy(from_logits=True)`) from the
+    hidden states that feed the head, through `ops.linear` in chunks of
+    `chunk_size` rows: no [tokens, vocab] logits, their gradient, or (with
+    `teacher_head`) the teacher's logits are formed, and the numbers equal
+    the unfused Distiller's. Then every distillation loss must be a
+    `LogitsDivergence`; compiled metrics, which need the logits, are
+    computed by `evaluate`, not during `fit`; `predict` and `evaluate` form
+    the logits as usual.
+
+    Args:
+        teacher, student, distillation_losses, distillation_loss_weights,
+        student_loss_weight, name: as `keras.distillation.Distiller`.
+        head: None, or the student's vocabulary projection (a layer or its
+            name) that produces its output, in a functional (or Sequential)
+            student.
+        teacher_head: None, or the teacher's.
+        chunk_size: rows per chunk for the fused losses (and for any
+            `LogitsDivergence` without its own).
+    """
+
+    def __init__(
+        self,
+        teacher,
+        student,
+        distillation_losses,
+        distillation_loss_weights=None,
+        student_loss_weight=0.5,
+        name="distiller",
+        *,
+        head=None,
+        teacher_head=None,
+        chunk_size=None,
+        **kwargs,
+    ):
+        losses = list(distillation_losses) if isinstance(distillation_losses, (list, tuple)) else [distillation_losses]
+        if distillation_loss_weights is not None and not isinstance(distillation_loss_weights, (list, tuple)):
+            distillation_loss_weights = [distillation_loss_weights]
+        super().__init__(teacher, student, losses, distillation_loss_weights, student_loss_weight, name=name, **kwargs)
+        self.chunk_size = num.optional(num.positive_integer)("chunk_size", chunk_size)
+        self.head = None if head is None else _Head(student, head, "head")
+        self.teacher_head = None if teacher_head is None else _Head(teacher, teacher_head, "teacher_head")
+        if self.head or self.teacher_head:
+            others = [type(loss).__name__ for loss in losses if not isinstance(loss, LogitsDivergence)]
+            if others:
+                raise ValueError(
+                    f"`distillation_losses`: with `head`/`teacher_head` the losses receive lazy logits "
+                    f"(ops.linear) and must be LogitsDivergence; got {others}."
+                )
+        self._layer_features = _FeatureExtractors(teacher, student, losses)
+        self.loss_names = _metric_names(losses)
+        self.loss_trackers = [keras.metrics.Mean(name=f"distillation/{n}") for n in self.loss_names]
+        self.student_losses = None
+        self._fused_step = False
+
+    def compile(self, optimizer="adam", loss=None, metrics=None, **kwargs):
+        """As `keras.distillation.Distiller.compile`; `loss` is the student
+        loss. With `head`, it must be
+        `keras.losses.SparseCategoricalCrossentropy(from_logits=True)`
+        (computed from the hidden states)."""
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+        self.student_loss_config = loss
+        self.student_losses = keras.tree.map_structure(_loss_object, loss)
+        if self.head is not None:
+            _check_fusable_student_loss(self.student_losses)
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config:
+            config["loss"] = keras.saving.serialize_keras_object(self.student_loss_config)
+        return config
+
+    def compile_from_config(self, config):
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def call(self, inputs, training=None, **kwargs):
+        """The student's logits; with `head`, while training, the hidden
+        states that feed it (the training step's `y_pred`)."""
+        if training and self.head is not None:
+            return self.head.hidden_model(inputs, training=training, **kwargs)
+        return self.student(inputs, training=training, **kwargs)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        # The student's own losses, read before the teacher runs: on TF and
+        # torch `self.losses` would then include the teacher's too.
+        own = [ops.cast(loss, "float32") for loss in self.losses]
+        own = sum(own) if own else 0.0
+        self._fused_step = bool(training) and self.head is not None
+        if y_pred is None:
+            y_pred = self(x, training=training)
+        student = self.head.logits(y_pred) if self._fused_step else y_pred
+        replicas = float(backend.loss_replicas())
+
+        student_loss = ops.zeros((), "float32")
+        if self.student_loss_weight > 0.0 and y is not None:
+            student_loss = self._student_loss_value(y, student, sample_weight, replicas)
+
+        distillation = ops.zeros((), "float32")
+        if self.student_loss_weight < 1.0:
+            teacher = self._teacher_outputs(x)
+            features = self._layer_features(x, teacher, student)
+            for loss, weight, tracker in zip(self.distillation_losses, self.distillation_loss_weights, self.loss_trackers):
+                t, s = features.get(loss, (teacher, student))
+                loss.validate_outputs(t, s)
+                value = ops.cast(_call_distillation_loss(loss, t, s, sample_weight, self.chunk_size), "float32")
+                if len(value.shape):
+                    raise ValueError(f"Distillation loss {type(loss).__name__} returned a non-scalar of shape {value.shape}.")
+                tracker.update_state(value)
+                distillation = distillation + float(weight) * value
+
+        total = self.student_loss_weight * student_loss + (1.0 - self.student_loss_weight) * distillation + own
+        self.student_loss_tracker.update_state(student_loss)
+        self.distillation_loss_tracker.update_state(distillation)
+        self.total_loss_tracker.update_state(total)
+        # Keras divides each replica's loss by the replicas and sums their
+        # gradients: the values above are each replica's share of the
+        # one-device numbers.
+        return total / replicas
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        if not self._fused_step:
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+        # A fused training step never forms the logits that compiled metrics
+        # read: they are left out of its logs rather than logged as 0
+        # (`evaluate` computes them).
+        return self._metric_logs(lambda metric: not _keras_internals.is_compiled_metrics(metric))
+
+    def get_metrics_result(self):
+        # After fused training steps the compiled metrics may never have
+        # been built (TensorFlow builds them on their first update).
+        return self._metric_logs(lambda metric: not _keras_internals.is_compiled_metrics(metric) or metric.built)
+
+    def _metric_logs(self, include):
+        logs = {}
+        for metric in self.metrics:
+            if not include(metric):
+                continue
+            result = metric.result()
+            if isinstance(result, dict):
+                logs.update(result)
+            else:
+                logs[metric.name] = result
+        return logs
+
+    def _teacher_outputs(self, x):
+        if self.teacher_head is not None:
+            return self.teacher_head.logits(self.teacher_head.hidden_model(x, training=False))
+        return self.teacher(x, training=False)
+
+    def _student_loss_value(self, y, student, sample_weight, replicas):
+        """The student loss on this replica, unscaled (as on one device)."""
+        if self._fused_step:
+            weights = ops.ones(ops.shape(student.hidden)[:-1]) if sample_weight is None else sample_weight
+            weights = ops.broadcast_to(ops.cast(weights, "float32"), ops.shape(student.hidden)[:-1])
+            total = weighted_cross_entropy_sum(y, student, weights, chunk_size=self.chunk_size)
+            return ops.cast(total, "float32") / ops.cast(num.at_least_one(_positions(student)), "float32")
+        if self.student_losses is None:
+            raise ValueError("The Distiller must be compiled (its `loss` is the student loss) before computing a loss.")
+        values = keras.tree.map_structure(
+            lambda loss, target, output: ops.cast(loss(target, output, sample_weight=sample_weight), "float32"),
+            self.student_losses,
+            y,
+            student,
+        )
+        # Keras' losses divide their means by the replicas in scope; undone
+        # here and applied once to the total.
+        return sum(ops.mean(v) for v in keras.tree.flatten(values)) * replicas
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            head=None if self.head is None else self.head.layer.name,
+            teacher_head=None if self.teacher_head is None else self.teacher_head.layer.name,
+            chunk_size=self.chunk_size,
+        )
+        return config
+
+
+def _call_distillation_loss(loss, teacher, student, sample_weight, chunk_size):
+    if isinstance(loss, LogitsDivergence):
+        return loss.compute_loss(teacher, student, sample_weight=sample_weight, chunk_size=chunk_size)
+    return loss.compute_loss(teacher, student)
+
+
+def _check_fusable_student_loss(loss):
+    config = loss.get_config() if isinstance(loss, keras.losses.SparseCategoricalCrossentropy) else None
+    if not config or not config.get("from_logits") or config.get("ignore_class") is not None or loss.reduction != "sum_over_batch_size":
+        raise ValueError(
+            "`loss`: with `head`, the student loss is computed from the hidden states as sparse categorical "
+            "cross-entropy from logits; compile with loss=keras.losses.SparseCategoricalCrossentropy("
+            f"from_logits=True) (no ignore_class: give a sample_weight); got {loss!r}."
+        )
+
+
+class _FeatureExtractors:
+    """Intermediate outputs for distillation losses that name layers
+    (`FeatureDistillation(teacher_layer_name=..., student_layer_name=...)`),
+    from models built with public Keras (`layer.output`); not tracked by the
+    Distiller, whose teacher and student own the layers."""
+
+    def __init__(self, teacher, student, losses):
+        self.losses = [loss for loss in losses if getattr(loss, "teacher_layer_name", None) or getattr(loss, "student_layer_name", None)]
+        self.models = {}
+        for side, model in (("teacher", teacher), ("student", student)):
+            names = sorted({getattr(loss, f"{side}_layer_name") for loss in self.losses} - {None})
+            if names:
+                outputs = {n: model.get_layer(n).output for n in names}
+                outputs["final_output"] = model.output
+                self.models[side] = keras.Model(model.input, outputs, name=f"{model.name}_features")
+
+    def __call__(self, x, teacher_output, student_output):
+        """loss -> (teacher features, student features) for the losses that
+        name layers; a side that names none gets the model's output."""
+        if not self.losses:
+            return {}
+        outputs = {side: model(x, training=side == "student") for side, model in self.models.items()}
+        finals = {"teacher": teacher_output, "student": student_output}
+        pairs = {}
+        for loss in self.losses:
+            pair = []
+            for side in ("teacher", "student"):
+                name = getattr(loss, f"{side}_layer_name")
+                pair.append(outputs[side][name] if name else finals[side])
+            pairs[loss] = tuple(pair)
+        return pairs
