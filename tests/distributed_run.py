@@ -31,6 +31,7 @@ from keras_penalties import CompositeObjective, Term  # noqa: E402
 from keras_penalties import losses as L  # noqa: E402
 from keras_penalties import regularizers as R  # noqa: E402
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor  # noqa: E402
+from keras_penalties.distillation import Distiller, LogitsDivergence  # noqa: E402
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 6)).astype("float32")
@@ -112,6 +113,42 @@ def train():
     return results
 
 
+VOCAB, TOKENS = 9, 4
+LM_TOKENS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+# Token masks: samples of each batch's first half (one replica's) keep fewer
+# tokens than the second half's, so per-replica means would not average to
+# the global one.
+LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4), 4)[:, None]).astype("float32")
+LM_WEIGHTS[:, 0] = 1.0
+
+
+def train_distiller():
+    """A fused Distiller: tied-embedding heads read from the hidden states in
+    chunks of 3 rows (partial chunks on every replica), two
+    LogitsDivergence losses with weights, a regularized student."""
+
+    def lm(name, seed):
+        keras.utils.set_random_seed(seed)
+        tokens = keras.Input((TOKENS,), dtype="int32")
+        embedding = keras.layers.ReversibleEmbedding(VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding")
+        hidden = keras.layers.Dense(6, activation="tanh", kernel_regularizer=R.L2(0.01), name="dense_a")(embedding(tokens))
+        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
+
+    distiller = Distiller(
+        lm("teacher", 1), lm("student", 2),
+        [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.3, name="js")], [4.0, 1.0],
+        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=3,
+    )
+    distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = distiller.fit(LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    evaluation = distiller.evaluate(LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, verbose=0, return_dict=True)
+    results = {"distiller/predictions": np.asarray(distiller.student.predict(LM_TOKENS, batch_size=BATCH, verbose=0)).tolist()}
+    results.update({f"distiller/history/{k}": v for k, v in history.history.items()})
+    results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
+    return results
+
+
 def distributed(mode):
     if BACKEND == "jax":
         devices = keras.distribution.list_devices("cpu")
@@ -136,9 +173,9 @@ def main(mode):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
         )
-    one = train()
+    one = {**train(), **train_distiller()}
     with distributed(mode):
-        two = train()
+        two = {**train(), **train_distiller()}
     report = {}
     for key, value in one.items():
         a, b = np.asarray(value, np.float64), np.asarray(two.get(key, np.nan), np.float64)

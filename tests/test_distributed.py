@@ -9,7 +9,8 @@ Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
 Regularizer term, a CompositeLoss with mean, sum and ops terms, a callback
 that calls set_weight/disable/enable, and adaptive weights (an
 uncertainty-weighted objective with a chunked entropy term, a per-term custom metric, DynamicWeightAverage
-on the loss, GradNorm on the objective).
+on the loss, GradNorm on the objective), and a fused Distiller whose token
+masks keep more tokens on one replica than on the other.
 """
 
 import json
@@ -47,7 +48,9 @@ def test_two_devices_match_one(mode):
                 "history/dense_a/kernel_regularizer", "evaluate/obj/ent", "probe0/total/grad_norm",
                 "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm",
                 "history/closs/mse/weight", "history/uobj/ent/weight", "history/uobj/ent", "history/obj/l1/l2", "gradnorm5/grad_norms",
-                "gradnorm5/weights", "log_variances"):
+                "gradnorm5/weights", "log_variances", "distiller/predictions", "distiller/history/loss",
+                "distiller/history/distillation/kd", "distiller/history/distillation/js", "distiller/history/student_loss",
+                "distiller/evaluate/total_loss"):
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
     assert not bad, {k: (v["rel"], v["one"], v["two"]) for k, v in bad.items()}
