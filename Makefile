@@ -32,8 +32,13 @@ $(VENV)/.installed-demo-%: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[$(EXTRA_$*),demo]"
 	touch $@
 
+# keras-hub without its requirements (they pull a second TensorFlow), with the
+# two packages it imports; it needs Python 3.11+ (older ones skip its tests).
+KERAS_HUB := "keras-hub; python_version >= '3.11'" "regex; python_version >= '3.11'" "tokenizers; python_version >= '3.11'"
+
 $(VENV)/.installed-test: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[all-cpu,test]"
+	$(PIP) --no-deps $(KERAS_HUB)
 	touch $@
 
 # Trains a small classifier with composed penalties and PenaltyMonitor, prints

@@ -1,0 +1,101 @@
+"""A keras-hub causal LM built from config (no download), trained and distilled
+through its tied embedding without forming the logits (SPEC §10).
+
+Oracles: the same keras-hub models trained the way keras-hub trains them,
+from their logits (`GPT2CausalLM` compiled with Keras' sparse cross-entropy;
+the unfused Distiller).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_penalties import ops as P
+from keras_penalties.distillation import Distiller, LogitsDivergence
+from tests.testing import to_numpy
+
+keras_hub = pytest.importorskip(
+    "keras_hub", reason="keras-hub needs Python 3.11+; make test installs it there (--no-deps, see the Makefile)"
+)
+
+VOCAB, LENGTH = 61, 8
+RNG = np.random.default_rng(17)
+TOKEN_IDS = RNG.integers(1, VOCAB, size=(6, LENGTH + 1))
+LENGTHS = np.array([9, 4, 7, 9, 2, 6])  # right padding, as keras-hub's preprocessors make it
+PADDING = (np.arange(LENGTH + 1)[None, :] < LENGTHS[:, None]).astype("int32")
+TOKEN_IDS = TOKEN_IDS * PADDING
+# Next-token prediction: inputs are tokens 0..L-1, labels 1..L, a label
+# counts where it is not padding.
+X = {"token_ids": TOKEN_IDS[:, :-1], "padding_mask": PADDING[:, :-1]}
+Y = TOKEN_IDS[:, 1:]
+SAMPLE_WEIGHT = PADDING[:, 1:].astype("float32")
+
+
+def _gpt2(num_layers, seed):
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=num_layers, num_heads=2, hidden_dim=16,
+        intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0,
+    )
+    # GPT-2's initial embeddings (σ = 0.02) give logits near 0, where two
+    # models' distributions nearly coincide (KL ~ 1e-3, within float32
+    # cancellation of any implementation): logits of a few units instead.
+    embeddings = backbone.token_embedding.embeddings
+    embeddings.assign(embeddings * 40.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+class HeadOwningLM(keras.Model):
+    """A causal LM that owns its head: it outputs the backbone's hidden
+    states and computes its loss from them, through the tied embedding,
+    `chunk_size` tokens at a time (SPEC §10's compute_loss override)."""
+
+    def __init__(self, backbone, chunk_size, **kwargs):
+        inputs = backbone.input
+        super().__init__(inputs, backbone(inputs), **kwargs)
+        self.backbone = backbone
+        self.chunk_size = chunk_size
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        logits = P.linear(y_pred, self.backbone.token_embedding.embeddings, transpose_kernel=True)
+        loss = P.cross_entropy(y, logits, mask=sample_weight, chunk_size=self.chunk_size)
+        return loss + sum(self.losses)
+
+
+def test_a_causal_lm_that_owns_its_head_trains_as_keras_hubs_own():
+    # keras-hub's model from its logits, averaging over the kept tokens
+    # ("mean_with_sample_weight"), against the same backbone whose loss is
+    # formed a few tokens at a time from the hidden states.
+    reference = _gpt2(1, seed=3)
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+    )
+    fused_backbone = _gpt2(1, seed=3).backbone
+    fused = HeadOwningLM(fused_backbone, chunk_size=5)
+    fused.compile(optimizer=keras.optimizers.SGD(0.5))
+    histories = [
+        model.fit(X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0).history["loss"]
+        for model in (reference, fused)
+    ]
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5)
+    assert histories[0][-1] < histories[0][0]
+    for a, b in zip(reference.backbone.get_weights(), fused_backbone.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_distillation_of_a_keras_hub_lm_equals_unfused():
+    results = {}
+    for fused in (False, True):
+        teacher, student = _gpt2(2, seed=1), _gpt2(1, seed=2)
+        fuse = dict(head="token_embedding", teacher_head="token_embedding", chunk_size=5) if fused else {}
+        distiller = Distiller(
+            teacher, student, [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.2, name="js")],
+            [1.0, 0.5], student_loss_weight=0.3, **fuse,
+        )
+        distiller.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = distiller.fit(X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0).history
+        results[fused] = (history, to_numpy(student.predict(X, verbose=0)))
+    for key in ("loss", "student_loss", "distillation/kd", "distillation/js"):
+        np.testing.assert_allclose(results[True][0][key], results[False][0][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-4, atol=1e-5)
