@@ -145,6 +145,110 @@ LLM_CASES = [
 ]
 
 
+# ---------------------------------------------------------------- LLM heads: losses from hidden states (SPEC §10)
+
+HEAD_SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
+HEAD_CHUNK = 64  # rows per chunk (8 M logits): the fastest and leanest of 32, 64, 128 on JAX here
+
+
+def _head_inputs(small):
+    """mask (25 % of tokens masked), labels, a frozen teacher's hidden states
+    and kernel, then the student's: the last two are differentiated."""
+    tokens, hidden, vocab = (64, 16, 1000) if small else HEAD_SHAPE
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, scale=1.0):
+        return ops.convert_to_tensor((scale * rng.standard_normal(size=shape, dtype=np.float32)))
+
+    return [
+        ops.convert_to_tensor((rng.uniform(size=tokens) >= 0.25).astype("float32")),
+        ops.convert_to_tensor(rng.integers(0, vocab, size=tokens).astype("int32")),
+        normal(tokens, hidden),
+        normal(hidden, vocab, scale=hidden**-0.5),
+        normal(tokens, hidden),
+        normal(hidden, vocab, scale=hidden**-0.5),
+    ]
+
+
+def _head(ours_fn, ref_fn):
+    def build(small):
+        args = _head_inputs(small)
+        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(ref_fn, 2)
+        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
+
+    return build
+
+
+_HEAD_FUNCTIONS = {
+    # name -> (fused: from hidden states, ours on logits formed first, the peer on them)
+    "kl forward": (
+        lambda m, y, ht, kt, h, k: P.kl_divergence(P.linear(ht, kt), P.linear(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK),
+        lambda m, y, ht, kt, h, k: P.kl_divergence(native.matmul(ht, kt), native.matmul(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK),
+        lambda m, y, ht, kt, h, k: native.masked_kl(m, native.matmul(ht, kt), native.matmul(h, k)),
+    ),
+    "cross-entropy": (
+        lambda m, y, ht, kt, h, k: P.cross_entropy(y, P.linear(h, k), mask=m, chunk_size=HEAD_CHUNK),
+        lambda m, y, ht, kt, h, k: P.cross_entropy(y, native.matmul(h, k), mask=m, chunk_size=HEAD_CHUNK),
+        lambda m, y, ht, kt, h, k: native.masked_cross_entropy(m, y, native.matmul(h, k)),
+    ),
+}
+_HEAD_NAME = "masked {} value+grad from hidden states [2048×256 → 128256], chunk_size={}"
+
+HEAD_CASES = [
+    case
+    for name, (fused, materialised, peer) in _HEAD_FUNCTIONS.items()
+    for case in (
+        Case(
+            _HEAD_NAME.format(name, HEAD_CHUNK) + " vs logits formed first",
+            "our chunked call on the logits",
+            "time ≤ 1.10, memory ≤ 0.20",
+            _head(fused, materialised),
+            1.10,
+            0.20,
+        ),
+        Case(_HEAD_NAME.format(name, HEAD_CHUNK), _PEER, "memory ≤ 0.10", _head(fused, peer), None, 0.10),
+    )
+]
+
+
+def _distiller_step(small):
+    """One fused and one unfused Distiller training step on a batch of 2048
+    tokens (8 × 256), hidden size 256, vocabulary 128256: tiny bodies, so
+    the step is the heads and the losses."""
+    from keras_penalties.distillation import Distiller, LogitsDivergence
+
+    tokens, hidden, vocab = (64, 16, 1000) if small else HEAD_SHAPE
+    length = 8 if small else 256
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, size=(tokens // length, length))
+    y = rng.integers(0, vocab, size=(tokens // length, length))
+    weights = (rng.uniform(size=y.shape) >= 0.25).astype("float32")
+
+    def lm(name, seed):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((length,), dtype="int32")
+        body = keras.layers.Embedding(vocab, hidden)(inputs)
+        return keras.Model(inputs, keras.layers.Dense(vocab, name="head")(body), name=name)
+
+    def step(fused):
+        fuse = dict(head="head", teacher_head="head", chunk_size=HEAD_CHUNK) if fused else {}
+        distiller = Distiller(lm("teacher", 1), lm("student", 2), LogitsDivergence(temperature=2.0), student_loss_weight=0.5, **fuse)
+        distiller.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return lambda: distiller.train_on_batch(x, y, sample_weight=weights)
+
+    return {"ours": step(True), "reference": step(False)}
+
+
+DISTILLER_CASES = [
+    Case(
+        "Distiller train step, fused heads (2048 tokens, 256 → 128256), chunk_size=64",
+        "the unfused Distiller",
+        "reported",
+        _distiller_step,
+    )
+]
+
+
 # ---------------------------------------------------------------- norms at the memory-bandwidth floor
 
 
@@ -350,4 +454,4 @@ OPTIMIZER_CASES = [
     for name, wrap in WRAPPERS.items()
 ]
 
-CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + LLM_CASES + NORM_CASES
+CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + LLM_CASES + HEAD_CASES + DISTILLER_CASES + NORM_CASES

@@ -31,6 +31,39 @@ def compile_fn(fn):
     return fn
 
 
+def value_and_grads(fn, count):
+    """fn(*args) -> (value, [∂value/∂arg for the last `count` args]), compiled:
+    a student's hidden states and vocabulary kernel, say."""
+    if BACKEND == "jax":
+        import jax
+
+        def run(*args):
+            fixed, wrt = args[:-count], args[-count:]
+            return jax.value_and_grad(lambda *w: fn(*fixed, *w), argnums=tuple(range(count)))(*wrt)
+
+        return jax.jit(run)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def run(*args):
+            wrt = list(args[-count:])
+            with tf.GradientTape() as tape:
+                tape.watch(wrt)
+                value = fn(*args[:-count], *wrt)
+            return value, tape.gradient(value, wrt)
+
+        return run
+    import torch
+
+    def run(*args):
+        wrt = [a.detach().requires_grad_(True) for a in args[-count:]]
+        value = fn(*args[:-count], *wrt)
+        return value.detach(), torch.autograd.grad(value, wrt)
+
+    return run
+
+
 def value_and_grad(fn):
     """fn(*args) -> (value, ∂value/∂last arg), compiled."""
     if BACKEND == "jax":
@@ -192,6 +225,33 @@ def masked_js(mask, teacher, student, beta=0.5):
 
         lm = tf.reduce_logsumexp(tf.stack([a + lp, b + lq]), 0)
     return _masked_mean(beta * _token_kl(lp, lm) + (1.0 - beta) * _token_kl(lq, lm), mask)
+
+
+def matmul(a, b):
+    if BACKEND == "jax":
+        return a @ b
+    if BACKEND == "torch":
+        return a @ b
+    import tensorflow as tf
+
+    return tf.matmul(a, b)
+
+
+def masked_cross_entropy(mask, labels, logits):
+    """−log softmax(logits)[label], averaged over the kept tokens."""
+    if BACKEND == "jax":
+        import optax
+
+        values = optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
+    elif BACKEND == "torch":
+        import torch.nn.functional as F
+
+        values = F.cross_entropy(logits, labels.long(), reduction="none")
+    else:
+        import tensorflow as tf
+
+        values = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    return _masked_mean(values, mask)
 
 
 def masked_entropy(mask, logits):

@@ -56,88 +56,120 @@ def project(rows, kernel, transpose_kernel):
     return jax.lax.dot_general(rows, kernel, (((1,), (contract,)), ((), ())))
 
 
-def chunked_sum(fn, rows, shared, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(rows chunk, shared)[r], `chunk_size` rows at a time
-    (a `lax.scan`), with the gradient formed in the forward pass.
+def kernel_grad(hidden, dlogits, transpose_kernel):
+    """∂/∂kernel of Σ dlogits·(hidden @ kernel): hiddenᵀ·dlogits [H, V], or
+    dlogitsᵀ·hidden [V, H] for a transposed (tied) kernel."""
+    first, second = (dlogits, hidden) if transpose_kernel else (hidden, dlogits)
+    return jax.lax.dot_general(first, second, (((0,), (0,)), ((), ())))
 
-    A `custom_vjp` whose forward pass takes, chunk by chunk, the gradient of
-    the chunk's weighted sum w.r.t. the chunk's rows (written into one
-    buffer) and w.r.t. `shared` (accumulated in the scan's carry): nothing
-    is recomputed, and the backward pass only scales the kept gradients by
-    the upstream scalar. Only the inputs JAX differentiates are taken
-    (`symbolic_zeros`: a frozen teacher's hidden states and kernel cost one
-    forward product per chunk, no gradient).
+
+def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
+    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time (a
+    `lax.scan`), with the gradient formed in the forward pass.
+
+    A `custom_vjp`. Each chunk forms its heads' logits, takes the gradient of
+    its weighted sum w.r.t. those logits and the float rows, then turns the
+    logits' gradient into the hidden rows' (into one buffer) and the
+    kernel's and bias's (summed in the scan's carry) with one product each:
+    nothing is recomputed, and the backward pass only scales the kept
+    gradients by the upstream scalar. Only the inputs JAX differentiates
+    are taken (`symbolic_zeros`: a frozen teacher costs one forward product
+    per chunk).
     """
-    rows, shared = list(rows), list(shared)
+    rows = list(rows)
+    transposed = [head[3] for head in heads]
+    heads = [list(head[:3]) for head in heads]
     row_dtypes = [r.dtype for r in rows]
-    shared_dtypes = [s.dtype for s in shared]
+    head_dtypes = [[None if p is None else p.dtype for p in head] for head in heads]
 
     def is_float(x):
         return jnp.issubdtype(x.dtype, jnp.floating)
 
     def cast(x):
-        return x.astype(dtype) if is_float(x) else x
+        return x if x is None or not is_float(x) else x.astype(dtype)
 
     def split(x):
         return x.reshape((-1, chunk_size) + x.shape[1:])
 
-    def chunk_total(chunk_rows, chunk_weights, shared_values):
-        return jnp.sum(chunk_weights * fn([cast(r) for r in chunk_rows], shared_values))
+    def logits_of(j, hidden, kernel, bias):
+        logits = project(hidden, kernel, transposed[j])
+        return logits if bias is None else logits + bias
+
+    def inputs(rows, heads, weights):
+        return [split(r) for r in rows], [split(head[0]) for head in heads], split(weights)
 
     @jax.custom_vjp
-    def total(rows, shared, weights):
-        shared_values = [cast(s) for s in shared]
+    def total(rows, heads, weights):
+        params = [(cast(k), cast(b)) for _, k, b in heads]
 
         def step(acc, xs):
-            return acc + chunk_total(*xs, shared_values), None
+            chunk_rows, hidden, w = xs
+            logits = [logits_of(j, cast(h), *params[j]) for j, h in enumerate(hidden)]
+            return acc + jnp.sum(w * fn(logits, [cast(r) for r in chunk_rows])), None
 
-        return jax.lax.scan(step, jnp.zeros((), dtype), ([split(r) for r in rows], split(weights)))[0]
+        return jax.lax.scan(step, jnp.zeros((), dtype), inputs(rows, heads, weights))[0]
 
-    def forward(rows, shared, weights):
+    def forward(rows, heads, weights):
         row_wanted = [i for i, r in enumerate(rows) if r.perturbed and is_float(r.value)]
-        shared_wanted = [j for j, s in enumerate(shared) if s.perturbed and is_float(s.value)]
+        wanted = [[p is not None and p.perturbed for p in head] for head in heads]
         rows = [r.value for r in rows]
-        shared_values = [cast(s.value) for s in shared]
+        heads = [[None if p is None else p.value for p in head] for head in heads]
+        params = [(cast(k), cast(b)) for _, k, b in heads]
 
         def step(carry, xs):
-            acc, shared_grads = carry
-            chunk_rows, chunk_weights = xs
+            acc, kernel_grads, bias_grads = carry
+            chunk_rows, hidden, w = xs
             chunk_rows = [cast(r) for r in chunk_rows]
+            hidden = [cast(h) for h in hidden]
+            logits = [logits_of(j, h, *params[j]) for j, h in enumerate(hidden)]
 
-            def chunk_value(wanted_rows, wanted_shared):
-                all_rows, all_shared = list(chunk_rows), list(shared_values)
+            def chunk_value(logits, wanted_rows):
+                all_rows = list(chunk_rows)
                 for i, t in zip(row_wanted, wanted_rows):
                     all_rows[i] = t
-                for j, t in zip(shared_wanted, wanted_shared):
-                    all_shared[j] = t
-                return chunk_total(all_rows, chunk_weights, all_shared)
+                return jnp.sum(w * fn(logits, all_rows))
 
-            value, (row_grads, grads) = jax.value_and_grad(chunk_value, argnums=(0, 1))(
-                [chunk_rows[i] for i in row_wanted], [shared_values[j] for j in shared_wanted]
+            # Gradients nothing reads (a frozen teacher's logits) are dropped by XLA.
+            value, (dlogits, row_grads) = jax.value_and_grad(chunk_value, argnums=(0, 1))(
+                logits, [chunk_rows[i] for i in row_wanted]
             )
-            shared_grads = [a + g for a, g in zip(shared_grads, grads)]
-            return (acc + value, shared_grads), [g.astype(row_dtypes[i]) for i, g in zip(row_wanted, row_grads)]
+            kernel_grads = [
+                g if g is None else g + kernel_grad(hidden[j], dlogits[j], transposed[j]) for j, g in enumerate(kernel_grads)
+            ]
+            bias_grads = [g if g is None else g + jnp.sum(dlogits[j], axis=0) for j, g in enumerate(bias_grads)]
+            hidden_grads = [
+                project(dlogits[j], params[j][0], not transposed[j]).astype(head_dtypes[j][0]) if wanted[j][0] else None
+                for j in range(len(heads))
+            ]
+            row_grads = [g.astype(row_dtypes[i]) for i, g in zip(row_wanted, row_grads)]
+            return (acc + value, kernel_grads, bias_grads), (row_grads, hidden_grads)
 
-        start = (jnp.zeros((), dtype), [jnp.zeros_like(shared_values[j]) for j in shared_wanted])
-        (value, shared_grads), row_grads = jax.lax.scan(step, start, ([split(r) for r in rows], split(weights.value)))
-        kept_rows, kept_shared = [None] * len(rows), [None] * len(shared)
+        start = (
+            jnp.zeros((), dtype),
+            [jnp.zeros_like(params[j][0]) if wanted[j][1] else None for j in range(len(heads))],
+            [jnp.zeros_like(params[j][1]) if wanted[j][2] else None for j in range(len(heads))],
+        )
+        (value, kernel_grads, bias_grads), (row_grads, hidden_grads) = jax.lax.scan(step, start, inputs(rows, heads, weights.value))
+        kept_rows = [None] * len(rows)
         for i, g in zip(row_wanted, row_grads):
             kept_rows[i] = g.reshape(rows[i].shape)
-        for j, g in zip(shared_wanted, shared_grads):
-            kept_shared[j] = g
-        return value, (kept_rows, kept_shared)
+        kept_heads = [
+            [None if h is None else h.reshape(head[0].shape), k, b]
+            for head, h, k, b in zip(heads, hidden_grads, kernel_grads, bias_grads)
+        ]
+        return value, (kept_rows, kept_heads)
 
     def backward(kept, upstream):
-        kept_rows, kept_shared = kept
+        kept_rows, kept_heads = kept
 
         def scale(g, to):
             return None if g is None else (g.astype(dtype) * upstream).astype(to)
 
         return (
             [scale(g, d) for g, d in zip(kept_rows, row_dtypes)],
-            [scale(g, d) for g, d in zip(kept_shared, shared_dtypes)],
+            [[scale(g, d) for g, d in zip(grads, dtypes)] for grads, dtypes in zip(kept_heads, head_dtypes)],
             None,
         )
 
     total.defvjp(forward, backward, symbolic_zeros=True)
-    return total(rows, shared, weights)
+    return total(rows, heads, weights)

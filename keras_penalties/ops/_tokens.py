@@ -6,9 +6,9 @@ class axis) from one or two class tensors, and integer labels for
 A class tensor may be lazy logits, `LinearLogits` (what `ops.linear`
 returns): hidden @ kernel (+ bias). Without `chunk_size` they are formed
 whole. With it they are formed one chunk at a time inside
-`backend.chunked_sum`, which takes each chunk's gradient w.r.t. the hidden
-rows, the kernel and the bias while the chunk's logits exist: no
-[positions, classes] array is ever formed, forward or backward.
+`backend.chunked_sum`, which turns each chunk's logits gradient into the
+hidden rows', the kernel's and the bias's while the chunk's logits exist:
+no [positions, classes] array is ever formed, forward or backward.
 """
 
 from keras import ops
@@ -153,37 +153,37 @@ def _row_weights(mask, weights, reduction, n, compute):
 
 
 def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute):
-    """The reduced total with lazy logits formed one chunk at a time: the
-    rows are every hidden, logits and label tensor flattened to [positions,
-    ...]; kernels and biases are shared by every chunk."""
-    rows, shared, logit_makers = [], [], []
+    """The reduced total with lazy logits formed one chunk at a time: each
+    `LinearLogits` is a head (its hidden states as rows [positions, H], its
+    kernel and bias); formed logits and labels are plain rows."""
+    rows, heads, sources = [], [], []
     for t in tensors:
-        row = len(rows)
         if isinstance(t, LinearLogits):
-            first, count = len(shared), len(t.params())
-            logit_makers.append(
-                lambda chunk, params, t=t, row=row, first=first, count=count: t.logits_of(chunk[row], params[first : first + count])
-            )
-            rows.append(t.rows())
-            shared.extend(t.params())
+            sources.append((True, len(heads)))
+            heads.append([t.rows(), t.kernel, t.bias, t.transpose_kernel])
         else:
-            logit_makers.append(lambda chunk, params, row=row: chunk[row])
+            sources.append((False, len(rows)))
             rows.append(ops.reshape(t, (-1, ops.shape(t)[-1])))
     if labels is not None:
         rows.append(ops.reshape(labels, (-1,)))
 
-    def values(chunk, params):
-        logits = [make(chunk, params) for make in logit_makers]
-        extra = {} if labels is None else {"labels": chunk[-1]}
-        return values_fn(*logits, axis=-1, **extra)
+    def values(logits, chunk_rows):
+        inputs = [logits[i] if is_head else chunk_rows[i] for is_head, i in sources]
+        extra = {} if labels is None else {"labels": chunk_rows[-1]}
+        return values_fn(*inputs, axis=-1, **extra)
 
-    n = ops.shape(rows[0])[0]
+    n = ops.shape((heads[0][0] if heads else rows[0]))[0]
     weights = _row_weights(mask, weights, reduction, n, compute)
     chunks = num.at_least_one((n + chunk_size - 1) // chunk_size)
     pad = chunks * chunk_size - n
     if not isinstance(pad, int) or pad:
         # Padding rows weigh 0: zero hidden states give the bias as logits,
         # zero logits and label 0 are as finite, and none adds to the total.
-        rows = [ops.concatenate([r, ops.zeros((pad,) + tuple(ops.shape(r)[1:]), r.dtype)], axis=0) for r in rows]
+        def padded(r):
+            return ops.concatenate([r, ops.zeros((pad,) + tuple(ops.shape(r)[1:]), r.dtype)], axis=0)
+
+        rows = [padded(r) for r in rows]
+        for head in heads:
+            head[0] = padded(head[0])
         weights = ops.concatenate([weights, ops.zeros((pad,), compute)], axis=0)
-    return backend.chunked_sum(values, rows, shared, weights, chunk_size, compute)
+    return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
