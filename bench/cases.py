@@ -3,6 +3,7 @@ doing one unit of work (and waiting for it), on the current backend."""
 
 import dataclasses
 import functools
+import os
 
 import keras
 import numpy as np
@@ -148,7 +149,8 @@ LLM_CASES = [
 # ---------------------------------------------------------------- LLM heads: losses from hidden states (SPEC §10)
 
 HEAD_SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
-HEAD_CHUNK = 64  # rows per chunk (8 M logits): the fastest and leanest of 32, 64, 128 on JAX here
+# Rows per chunk, per backend (HEAD_CHUNK=... overrides it, to explore).
+HEAD_CHUNK = int(os.environ.get("HEAD_CHUNK", {"jax": 64, "tensorflow": 64, "torch": 64}[native.BACKEND]))
 
 
 def _head_inputs(small):
@@ -241,7 +243,7 @@ def _distiller_step(small):
 
 DISTILLER_CASES = [
     Case(
-        "Distiller train step, fused heads (2048 tokens, 256 → 128256), chunk_size=64",
+        f"Distiller train step, fused heads (2048 tokens, 256 → 128256), chunk_size={HEAD_CHUNK}",
         "the unfused Distiller",
         "reported",
         _distiller_step,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties import ops as P
 from keras_penalties.gradients import input_gradient
 from tests import oracles as O
@@ -147,6 +148,41 @@ def test_fused_gradients_match_finite_differences(name):
                 return to_numpy(loss(*small[:i], x, *small[i + 1 :]))
 
             np.testing.assert_allclose(actual[i], central_difference(one, small[i]), rtol=1e-6, atol=1e-8, err_msg=wrt)
+
+
+def test_repeated_compiled_calls_give_the_same_gradients():
+    # The kernel's gradient is summed in place (TF, torch): every call of a
+    # compiled step must start from zero (seen: a folded tf.zeros constant
+    # kept the previous call's sum).
+    def step(hidden, kernel, bias):
+        loss = lambda h, k, b: P.cross_entropy(LABELS, P.linear(h, k, b), mask=MASK, chunk_size=4)  # noqa: E731
+        return backend.gradients(loss, [hidden, kernel, bias])
+
+    step = compiled(step)
+    args = [ops.convert_to_tensor(x) for x in (STUDENT_HIDDEN, KERNEL, BIAS)]
+    first = [to_numpy(g) for g in step(*args)]
+    expected = grads(lambda h, k, b: P.cross_entropy(LABELS, _materialised(h, k, b), mask=MASK), *args)
+    for _ in range(2):
+        for g, e in zip(step(*args), expected):
+            np.testing.assert_allclose(to_numpy(g), e, rtol=1e-5, atol=1e-6)
+    for g, e in zip(first, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_compiled_loss_differentiated_from_outside(lazy):
+    # The gradient of a compiled function taken outside it (a tf.function
+    # under an outer GradientTape): nothing records the inputs while it is
+    # traced, so the chunk loops keep no gradient and must form it when asked.
+    def loss(hidden, kernel):
+        logits = P.linear(hidden, kernel) if lazy else ops.matmul(hidden, kernel)
+        return P.kl_divergence(TEACHER_LOGITS.astype("float32"), logits, from_logits=True, mask=MASK, chunk_size=4)
+
+    def formed(hidden, kernel):
+        return P.kl_divergence(TEACHER_LOGITS.astype("float32"), _materialised(hidden, kernel), from_logits=True, mask=MASK)
+
+    for got, expected in zip(grads(compiled(loss), STUDENT_HIDDEN, KERNEL), grads(formed, STUDENT_HIDDEN, KERNEL)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_tied_embedding_is_read_transposed():

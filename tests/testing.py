@@ -2,7 +2,7 @@
 
 The suite runs once per backend (KERAS_BACKEND); nothing here branches on it
 except `float64_scope`, because JAX keeps float64 off unless asked, and
-`compiled`, because eager JAX compiles a scan anew on every call.
+`compiled`, each backend's compiler.
 """
 
 import contextlib
@@ -39,13 +39,18 @@ def grads(fn, *xs):
 
 
 def compiled(fn):
-    """`fn`, compiled once on JAX: an eager call of a chunked op traces and
-    compiles its scan every time (about 0.3 s), which finite differences
-    over a hundred coordinates cannot afford. Elsewhere `fn` itself."""
+    """`fn` compiled once, as `fit` would: `jax.jit` (an eager call of a
+    chunked op traces and compiles its scan every time, about 0.3 s, which
+    finite differences over a hundred coordinates cannot afford), a
+    `tf.function` on TensorFlow; on torch `fn` itself."""
     if BACKEND == "jax":
         import jax
 
         return jax.jit(fn)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn)
     return fn
 
 
