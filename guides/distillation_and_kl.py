@@ -115,9 +115,15 @@ mask input (1 where a token counts: the answer, not the prompt or padding)
 through the term's `mask` option, and `chunk_size` computes the KL a block of
 rows at a time, recomputed in the backward pass, so a large vocabulary never
 needs the whole `[tokens, vocab]` array of temporaries. The weight is T², as
-in section 1 (and in `keras.distillation`, whose `LogitsDistillation` takes
-`loss=KLDivergence(from_logits=True)` from this package with
-`distillation_loss_weights=[T**2]`: see the README).
+in section 1.
+
+With a teacher model rather than its logits, use
+`keras_penalties.distillation.Distiller` with `LogitsDivergence(temperature=T)`
+(T²·KL from logits, right alone or in a list, with `sample_weight` as the
+token mask; Keras' own `Distiller` drops a single loss's
+`distillation_loss_weights` and its default `LogitsDistillation` loss has no
+softmax: see the README). To leave the logits unformed altogether, see
+guides/distilling_a_language_model.py.
 """
 
 vocab, length, prompt = 32, 10, 4
