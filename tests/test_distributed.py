@@ -1,5 +1,7 @@
 """Several devices give the one-device numbers (SPEC §4): training, History,
-evaluate, every per-term value and every probe, to 1e-5 relative.
+evaluate, every per-term value and every probe, to 1e-5 relative (a probe's
+weights, and numbers scaled by them, relative to their layer's largest: see
+tests/distributed_run.py).
 
 Each mode runs tests/distributed_run.py in a subprocess, since the number of
 devices is fixed when the framework starts: JAX with 2 virtual CPU devices
