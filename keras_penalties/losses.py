@@ -8,6 +8,7 @@ output. All round-trip through `get_config`/`from_config` and are registered
 under the package `"keras_penalties.losses"`.
 """
 
+import inspect
 import sys
 import weakref
 
@@ -38,6 +39,14 @@ _PACKAGE = "keras_penalties.losses"
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
+def _reduced(loss, value):
+    """`value`, what Keras' `Loss.__call__` returned, as a scalar: Keras hands
+    an empty batch's per-sample values back unreduced."""
+    if loss.reduction not in (None, "none") and tuple(value.shape) == (0,):
+        return ops.sum(value)
+    return value
+
+
 class _PenaltyLoss(keras.losses.Loss):
     """Per-sample `self.penalty(y_true, y_pred, reduction="none", **options)`."""
 
@@ -50,11 +59,7 @@ class _PenaltyLoss(keras.losses.Loss):
             setattr(self, key, value)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        value = super().__call__(y_true, y_pred, sample_weight)
-        if self.reduction not in (None, "none") and tuple(value.shape) == (0,):
-            # Keras hands an empty batch's per-sample values back unreduced.
-            value = ops.sum(value)
-        return value
+        return _reduced(self, super().__call__(y_true, y_pred, sample_weight))
 
     def call(self, y_true, y_pred):
         return type(self).penalty(y_true, y_pred, reduction="none", **self._options)
@@ -348,9 +353,15 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
 
     Args:
         terms: dict name → `keras.losses.Loss`, or a `Term` over a Loss or an
-            ops function (called as `fn(y_true, y_pred, **options)` when it
-            takes two tensors, else `fn(y_pred, **options)`; it must return a
-            scalar).
+            ops function. An ops function is called as
+            `fn(y_true, y_pred, **options)` when its signature takes two
+            tensors (`kl_divergence`, `js_divergence`, `consistency`,
+            `cross_entropy`, `gaussian_kl`), else `fn(y_pred, **options)`.
+            One with a `reduction` option is reduced as a Loss term is: its
+            per-sample values meet `sample_weight` and the Keras mask, then
+            its `"mean"` (the default) or `"sum"` over samples. A batch
+            statistic (`kl_sparsity`, `orthogonality`, …) must return a
+            scalar and sees neither.
         weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
             need the step count that a `CompositeObjective` layer carries:
             use one for them.
@@ -388,6 +399,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
                     "`inputs` applies to CompositeObjective."
                 )
         self._sums = [t.sums_over_samples for t in self.terms.values()]
+        self._op_losses = {term_name: _as_loss(term) for term_name, term in self.terms.items()}
         self.state = LossState(self.terms, weighting, name=f"{self.name}_state")
         self.metric_keys = [f"{name}/{metric}" for name, t in self.terms.items() for metric in t.metrics]
         self.tracker = TermMeans(self.name, list(self.terms) + self.metric_keys)
@@ -456,13 +468,17 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
 
     def _term_value(self, name, term, y_true, y_pred, sample_weight):
         """The term's unweighted float32 value on this replica's batch, as one
-        device would compute it on that batch."""
-        if term.kind == "loss":
-            value = scalar(name, term.penalty(y_true, y_pred, sample_weight=sample_weight))
-            if getattr(term.penalty, "reduction", None) in _MEAN_REDUCTIONS:
+        device would compute it on that batch. `y_true` and `y_pred` are as
+        Keras passed them: a Loss reads the mask `y_pred` carries before it
+        casts (a float32 copy of a half `y_pred` would have none)."""
+        loss = term.penalty if term.kind == "loss" else self._op_losses[name]
+        if loss is not None:
+            value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
+            if getattr(loss, "reduction", None) in _MEAN_REDUCTIONS:
                 # Keras' Loss divided its mean by the replicas in scope; undo it.
                 value = value * float(backend.loss_replicas())
             return value
+        y_true, y_pred = as_float32(y_true), as_float32(y_pred)
         if _takes_both(term):
             return scalar(name, term(y_true, y_pred))
         return scalar(name, term(y_pred))
@@ -472,13 +488,13 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
             model = _calling_model(_computes(self))
             if model is not None:
                 self.attach(model)
-        y_true, y_pred = as_float32(y_true), as_float32(y_pred)
         values = ops.stack(
             [
                 self._term_value(name, term, y_true, y_pred, sample_weight)
                 for name, term in self.terms.items()
             ]
         )
+        y_true, y_pred = as_float32(y_true), as_float32(y_pred)
         values = whole_batch_values(values, self._sums)
         _capture.record(self, values)
         if self.tracker_registered:
@@ -514,12 +530,67 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
 
 
-_TWO_INPUT_OPS = ("kl_divergence", "js_divergence", "consistency")
-
-
 def _takes_both(term):
-    """Whether a CompositeLoss term (a Loss or a two-input op) is fed
-    (y_true, y_pred); the others get y_pred alone."""
-    return term.kind == "loss" or (term.kind == "op" and term.penalty.__name__ in _TWO_INPUT_OPS)
+    """Whether a CompositeLoss term is fed (y_true, y_pred): a Loss, or an ops
+    function of two tensors (kl_divergence(p, q), cross_entropy(labels,
+    logits), gaussian_kl(mean, log_var), …); the others get y_pred alone."""
+    if term.kind == "loss":
+        return True
+    if term.kind != "op":
+        return False
+    required = [
+        p
+        for p in inspect.signature(term.penalty).parameters.values()
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is inspect.Parameter.empty
+    ]
+    return len(required) == 2
+
+
+# Ops whose reduction="none" is elementwise, not per sample.
+_ELEMENTWISE_OPS = ("l1", "l2", "elastic_net")
+
+
+class _OpLoss(keras.losses.Loss):
+    """An ops-function term of a `CompositeLoss` as a Keras Loss, so that it
+    meets sample weights and masks exactly as a Loss term does: `call` gives
+    the per-sample values (per position for the divergences), and Keras'
+    own `Loss.__call__` applies `sample_weight`, the Keras mask `y_pred`
+    carries and the reduction — `"sum"` for a term with
+    `options={"reduction": "sum"}`, else `"sum_over_batch_size"` (Keras'
+    default, which the ops' `"mean"` equals when nothing is weighted)."""
+
+    def __init__(self, term):
+        reduction = "sum" if term.options.get("reduction") == "sum" else "sum_over_batch_size"
+        super().__init__(name=term.penalty.__name__, reduction=reduction, dtype="float32")
+        self.term = term
+        self.takes_both = _takes_both(term)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if not self.takes_both:
+            y_true = y_pred  # not read; Loss.__call__ converts it
+        return _reduced(self, super().__call__(y_true, y_pred, sample_weight))
+
+    def call(self, y_true, y_pred):
+        options = {**self.term.options, "reduction": "none"}
+        tensors = (y_true, y_pred) if self.takes_both else (y_pred,)
+        values = self.term.penalty(*tensors, **options)
+        if self.term.penalty.__name__ in _ELEMENTWISE_OPS and len(values.shape) > 1:
+            # One value per sample: its sum ("sum", "sum_over_batch_size") or
+            # its mean ("mean") over every axis but the batch.
+            axes = tuple(range(1, len(values.shape)))
+            mean = self.term.options.get("reduction") == "mean"
+            values = ops.mean(values, axis=axes) if mean else ops.sum(values, axis=axes)
+        return values
+
+
+def _as_loss(term):
+    """An ops-function term with per-sample values as an `_OpLoss`; None for
+    the others (a Loss is one already; a batch statistic such as
+    `kl_sparsity` or `orthogonality` has no sample to weigh)."""
+    if term.kind != "op" or "reduction" not in inspect.signature(term.penalty).parameters:
+        return None
+    if term.options.get("reduction") == "none":
+        return None  # not a scalar: an error where the term is computed
+    return _OpLoss(term)
 
 __all__ = ["KLDivergence", "JSDivergence", "Entropy", "Consistency", "CompositeLoss"]

@@ -32,13 +32,23 @@ ENTROPY_MODES = {"penalty": 1.0, "bonus": -1.0}
 check_entropy_mode = num.choice(*ENTROPY_MODES)
 
 
+def _factor(value):
+    """`factor` checked as Keras' own regularizers check theirs: anything but
+    a finite number >= 0 is a `ValueError` (SPEC §2), a string, None or a
+    list included (`keras.regularizers.L1("a")` raises `ValueError` too)."""
+    try:
+        return num.non_negative("factor", value)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+
+
 class _PenaltyRegularizer(keras.regularizers.Regularizer):
     """factor × `self.penalty(x, **options)`; subclasses name the penalty."""
 
     penalty = None
 
     def __init__(self, factor, **options):
-        self.factor = num.non_negative("factor", factor)
+        self.factor = _factor(factor)
         self._options = type(self).penalty.check_options(**options)
         for name, value in self._options.items():
             setattr(self, name, value)

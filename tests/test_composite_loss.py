@@ -129,3 +129,74 @@ def test_non_scalar_term_is_an_error():
     loss = L.CompositeLoss({"l1": Term("l1", options={"reduction": "none"})})
     with pytest.raises(ValueError, match=r"Term 'l1' must return a scalar"):
         loss(np.ones((2, 3), np.float32), np.ones((2, 3), np.float32))
+
+
+# ---------------------------------------------------------------- ops-function terms meet sample weights and masks as Losses do
+
+_AS_LOSS = {
+    # name -> (the ops-function term, the same number as one of our Losses)
+    "kl": (lambda: Term("kl_divergence", options={"from_logits": True, "direction": "reverse"}),
+           lambda: L.KLDivergence(from_logits=True, direction="reverse")),
+    "js": (lambda: Term("js_divergence", options={"from_logits": True, "beta": 0.3}),
+           lambda: L.JSDivergence(from_logits=True, beta=0.3)),
+    "entropy": (lambda: Term("entropy", options={"from_logits": True}), lambda: L.Entropy(from_logits=True)),
+}
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_float16"])
+@pytest.mark.parametrize("name", list(_AS_LOSS))
+def test_ops_function_terms_meet_sample_weights_and_keras_masks_as_the_loss_compiled_alone(name, policy):
+    # The oracle is Keras' own reduction: the same number from our Loss class
+    # compiled alone, on a model whose Embedding(mask_zero=True) mask reaches
+    # the loss, with per-sample weights.
+    term, loss = _AS_LOSS[name]
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(1, 9, size=(8, 6))
+    tokens[:, 4:] = 0  # padding
+    tokens[0, 1:] = 0
+    teacher = rng.normal(size=(8, 6, 5)).astype(np.float32)
+    weights = rng.uniform(0.0, 2.0, size=(8, 6)).astype(np.float32)  # per token, as Keras takes them for sequences
+
+    def evaluate(compiled):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,), dtype="int32")
+        logits = keras.layers.Dense(5)(keras.layers.Embedding(9, 4, mask_zero=True)(inputs))
+        model = keras.Model(inputs, logits)
+        model.compile(loss=compiled)
+        return model.evaluate(tokens, teacher, sample_weight=weights, batch_size=8, verbose=0)
+
+    if policy:
+        keras.config.set_dtype_policy(policy)
+    try:
+        alone = evaluate(loss())
+        composite = evaluate(L.CompositeLoss({"term": term()}))
+    finally:
+        keras.config.set_dtype_policy("float32")
+    np.testing.assert_allclose(composite, alone, rtol=1e-5)
+
+
+def test_ops_function_terms_weigh_per_sample_sums_and_take_both_tensors_where_the_op_does():
+    rng = np.random.default_rng(8)
+    y_true, y_pred = rng.normal(size=(2, 6, 3)).astype(np.float32)
+    w = np.array([0.0, 1.0, 2.0, 1.0, 0.5, 3.0], np.float32)
+    loss = L.CompositeLoss(
+        {
+            "l2": Term("l2"),                                    # per-sample Σx², over the batch size
+            "l1_sum": Term("l1", options={"reduction": "sum"}),  # Σ over samples of Σ|x|
+            "gauss": Term("gaussian_kl"),                        # gaussian_kl(mean=y_true, log_var=y_pred)
+        },
+        weights={"l1_sum": 0.1, "gauss": 0.5},
+    )
+    y64, p64 = y_true.astype(np.float64), y_pred.astype(np.float64)
+    gauss = 0.5 * np.sum(np.exp(p64) + y64**2 - 1.0 - p64, axis=-1)
+    expected = (
+        np.sum(w * np.sum(p64**2, axis=-1)) / 6
+        + 0.1 * np.sum(w * np.sum(np.abs(p64), axis=-1))
+        + 0.5 * np.sum(w * gauss) / 6
+    )
+    np.testing.assert_allclose(to_numpy(loss(y_true, y_pred, sample_weight=w)), expected, rtol=1e-5)
+    # Unweighted, each term is the ops function's own value.
+    unweighted = (
+        np.mean(np.sum(p64**2, axis=-1)) + 0.1 * np.sum(np.abs(p64)) + 0.5 * np.mean(gauss)
+    )
+    np.testing.assert_allclose(to_numpy(loss(y_true, y_pred)), unweighted, rtol=1e-5)

@@ -133,7 +133,11 @@ ERRORS = {
     "negative_factor": (lambda: R.L1(-0.1), ValueError, r"`factor` must be >= 0"),
     "nan_factor": (lambda: R.L2(math.nan), ValueError, r"`factor` must be finite"),
     "inf_factor": (lambda: R.ElasticNet(math.inf), ValueError, r"`factor` must be finite"),
-    "string_factor": (lambda: R.L1("0.1"), TypeError, r"`factor` must be a number"),
+    # As Keras' own regularizers: a factor that is not a number is a ValueError.
+    "string_factor": (lambda: R.L1("0.1"), ValueError, r"`factor` must be a number"),
+    "none_factor": (lambda: R.L1(None), ValueError, r"`factor` must be a number"),
+    "list_factor": (lambda: R.L2([0.1]), ValueError, r"`factor` must be a number"),
+    "bool_factor": (lambda: R.Entropy(True), ValueError, r"`factor` must be a number"),
     "l1_ratio": (lambda: R.ElasticNet(0.1, l1_ratio=1.2), ValueError, r"`l1_ratio` must be in \[0, 1\]"),
     "orthogonality_mode": (lambda: R.Orthogonality(0.1, mode="frobenius"), ValueError, r"`mode` must be one of"),
     "orthogonality_axis": (lambda: R.Orthogonality(0.1, axis="cols"), ValueError, r"`axis` must be one of"),
@@ -150,3 +154,14 @@ def test_construction_errors_name_the_argument(name):
     make, error, message = ERRORS[name]
     with pytest.raises(error, match=message):
         make()
+
+
+# (Keras reads None as its default factor, 0.01; ours has no default: see ERRORS.)
+@pytest.mark.parametrize("factor", ["0.1", [0.1], -1.0, math.nan, math.inf])
+def test_bad_factors_raise_value_error_as_keras_own_regularizers_do(factor):
+    # The oracle is Keras itself: its L1/L2 raise ValueError for each of these.
+    for keras_own, ours in ((keras.regularizers.L1, R.L1), (keras.regularizers.L2, R.L2)):
+        with pytest.raises(ValueError):
+            keras_own(factor)
+        with pytest.raises(ValueError, match="`factor`"):
+            ours(factor)
