@@ -36,9 +36,19 @@ $(VENV)/.installed-demo-%: $(PY) pyproject.toml constraints.txt
 # two packages it imports; it needs Python 3.11+ (older ones skip its tests).
 KERAS_HUB := "keras-hub; python_version >= '3.11'" "regex; python_version >= '3.11'" "tokenizers; python_version >= '3.11'"
 
+# The oldest Keras pyproject.toml admits (keras>=3.14), beside the pinned one:
+# its wheel alone in a folder put first on PYTHONPATH (its requirements are
+# the pinned Keras's). The integration tests run on it too.
+KERAS_OLDEST := 3.14.1
+KERAS_OLDEST_PATH := $(VENV)/keras-$(KERAS_OLDEST)
+INTEGRATION_TESTS := tests/test_objective.py tests/test_composite_loss.py tests/test_weighting.py \
+	tests/test_monitor.py tests/test_saving.py tests/test_training_settings.py tests/test_optimizers.py \
+	tests/test_distillation.py tests/test_layout.py
+
 $(VENV)/.installed-test: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[all-cpu,test]"
 	$(PIP) --no-deps $(KERAS_HUB)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(KERAS_OLDEST_PATH) keras==$(KERAS_OLDEST)
 	touch $@
 
 # Trains a small classifier with composed penalties and PenaltyMonitor, prints
@@ -48,13 +58,19 @@ demo: $(VENV)/.installed-demo-$(DEMO_BACKEND)
 	KERAS_BACKEND=$(DEMO_BACKEND) PENALTY_MONITOR_PNG=demo_output/penalty_monitor_$(DEMO_BACKEND).png \
 		$(PY) examples/penalty_monitor.py
 
-# The whole suite once per backend, then the package as PyPI would get it
-# (sdist and wheel, `twine check --strict`); fails if any of them fails.
+# The whole suite once per backend, the integration tests once per backend
+# on the oldest Keras, then the package as PyPI would get it (sdist and wheel,
+# `twine check --strict`); fails if any of them fails.
 test: $(VENV)/.installed-test
 	@failed=""; \
 	for b in $(BACKENDS); do \
 		echo "== KERAS_BACKEND=$$b"; \
 		KERAS_BACKEND=$$b $(PY) -m pytest || failed="$$failed $$b"; \
+	done; \
+	for b in $(BACKENDS); do \
+		echo "== KERAS_BACKEND=$$b, keras $(KERAS_OLDEST): integration tests"; \
+		PYTHONPATH=$(KERAS_OLDEST_PATH) KERAS_BACKEND=$$b $(PY) -m pytest $(INTEGRATION_TESTS) \
+			|| failed="$$failed $$b-keras-$(KERAS_OLDEST)"; \
 	done; \
 	echo "== package: build, twine check"; \
 	dist=$$(mktemp -d); \

@@ -1,10 +1,17 @@
-"""Every private Keras API keras-penalties relies on, each behind a function
-that says what it reads and since when.
+"""Every private Keras (and TensorFlow) API keras-penalties relies on, each
+behind a function that says what it reads and since when.
 
 Keras has no public way to ask these questions; each answer below is read
-from Keras' own internals, checked on Keras 3.14 and 3.15. A Keras upgrade is
-this one file to read.
+from Keras' own internals. "Keras 3.0 on" was read in the wheels of 3.0.5,
+3.3.3, 3.5.0, 3.7.0, 3.9.2, 3.11.3 and 3.13.2; the package's tests run on
+3.14.1 and 3.15.1 (`make test`). A Keras upgrade is this one file to read.
+Nothing else in the package imports `keras.src` or a private TF module, or
+touches a `_`-attribute of a Keras object.
 """
+
+import sys
+
+import keras
 
 
 def head_call(model, head, argument):
@@ -49,3 +56,176 @@ def is_compiled_metrics(metric):
     compile_utils.CompileMetrics`) "compile_metrics" (Keras 3.0 on).
     """
     return metric.name == "compile_metrics"
+
+
+# --- Layers, calls and the forward pass --------------------------------------
+
+
+def stateless_scope():
+    """The `keras.StatelessScope` the code runs in (JAX's `fit` step runs the
+    model in one), or None.
+
+    Relies on: `keras.src.backend.common.stateless_scope.get_stateless_scope`
+    (Keras 3.0 on); Keras exports the scope class but not this question.
+    """
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
+
+
+def in_stateless_scope():
+    """Whether the code runs inside a `keras.StatelessScope`.
+
+    Relies on: `keras.src.backend.common.stateless_scope.in_stateless_scope`
+    (Keras 3.0 on).
+    """
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as in_scope
+
+    return in_scope()
+
+
+def current_call_context():
+    """The context of the outermost layer call in progress (one object per
+    forward pass of a model), or None outside any call.
+
+    Relies on: Keras' global attribute `"current_call_ctx"`, which
+    `Layer.__call__` sets on entering the outermost call and clears on
+    leaving it (`keras.src.backend.common.global_state`, Keras 3.0 on).
+    """
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx")
+
+
+def own_losses(layer):
+    """The losses `layer` itself added (`add_loss`, its activity
+    regularizer) in its latest call, without its sublayers'.
+
+    Relies on: `Layer._get_own_losses()` (Keras 3.0 on), what `Layer.losses`
+    adds its sublayers' losses to.
+    """
+    return layer._get_own_losses()
+
+
+# --- Models -------------------------------------------------------------------
+
+
+def add_model_metric(model, metric):
+    """Makes `metric` one of `model.metrics` after the model was built (its
+    tracking is locked then), so that `fit`'s logs and JAX's metrics state
+    carry it.
+
+    Relies on: `Model.metrics` reading the model's own list `_metrics`
+    (Keras 3.0 on).
+    """
+    model._metrics.append(metric)
+
+
+def compiled_loss(model):
+    """The loss `model.compile(loss=...)` built (called as
+    `loss(y_true, y_pred)`, summing every output's loss with its
+    `loss_weights`), or None if the model has none.
+
+    Relies on: `Trainer._compile_loss`, a `CompileLoss` (Keras 3.0 on).
+    """
+    return getattr(model, "_compile_loss", None)
+
+
+def add_sublayer(model, layer):
+    """Adds `layer` (a layer holding variables only, never called) to
+    `model`'s layers after the model was built, so that `model.weights`,
+    its training state and `.keras` files hold its variables.
+
+    Relies on: a model's layer list `_layers`, from which `Model.weights`
+    and the trainers' state collect variables; a Sequential's list is its
+    forward pass and its config, so the layer goes to the Sequential's
+    `InputLayer` (Keras 3.0 on).
+    """
+    host = model
+    layers = model._layers
+    if isinstance(model, keras.Sequential) and layers and isinstance(layers[0], keras.layers.InputLayer):
+        host = layers[0]
+    host._layers.append(layer)
+
+
+def calling_model(holds):
+    """The model among the frames above this function's caller (`self` of a
+    Keras Model method) for which `holds(model, function_name)` is true, or
+    None. Keras hands a loss no model; this is how a loss finds the one it
+    belongs to.
+
+    Relies on: Keras calling a compiled loss from a method of its model
+    (`Trainer.compute_loss`, and `Model.compile_from_config` when a .keras
+    file is loaded), within 64 frames (Keras 3.0 on); and CPython's
+    `sys._getframe`.
+    """
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, keras.Model) and holds(candidate, frame.f_code.co_name):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+# --- Optimizers ---------------------------------------------------------------
+
+
+def optimizer_own_variables(optimizer):
+    """The variables `optimizer` itself created (its iteration count, learning
+    rate and slots), not those of an optimizer it wraps.
+
+    Relies on: `BaseOptimizer._variables` (Keras 3.0 on), what its
+    `variables` property returns.
+    """
+    return optimizer._variables
+
+
+def optimizer_trainable_variables(optimizer):
+    """The variables a built `optimizer` was built for.
+
+    Relies on: `BaseOptimizer._trainable_variables` (Keras 3.0 on).
+    """
+    return optimizer._trainable_variables
+
+
+def track_optimizer_variable(optimizer, variable):
+    """Makes `variable` part of `optimizer.variables` (saved with it, carried
+    in JAX's optimizer state).
+
+    Relies on: `BaseOptimizer._track_variable` (Keras 3.0 on).
+    """
+    optimizer._track_variable(variable)
+
+
+# --- TensorFlow ---------------------------------------------------------------
+
+
+def tf_graph_in_xla(graph):
+    """Whether TensorFlow `graph` will be compiled by XLA (`jit_compile`); True
+    when TF lacks the helper (the XLA-safe path works everywhere).
+
+    Relies on: `tensorflow.python.ops.control_flow_util.
+    GraphOrParentsInXlaContext` (TF 2.x; checked on 2.21).
+    """
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TF without the helper
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def tf_records_backprop(tensors):
+    """Whether a TensorFlow gradient tape records any of `tensors` (someone
+    may ask for a gradient through them); True when TF lacks the helper.
+
+    Relies on: `tensorflow.python.eager.record.should_record_backprop`, what
+    TF's own `custom_gradient` asks (TF 2.x; checked on 2.21).
+    """
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - a TF without the helper
+        return True
+    return record.should_record_backprop(tensors)

@@ -11,9 +11,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import _capture, gradients
+from keras_penalties import _capture, _keras_internals, gradients
 from keras_penalties.losses import CompositeLoss
-from keras_penalties.objective import _METRIC_NAME, CompositeObjective
+from keras_penalties.objective import METRIC_NAME_PATTERN, CompositeObjective
 from keras_penalties.ops import _numerics as num
 
 
@@ -35,15 +35,13 @@ def _composite_losses(model):
     return [loss for loss in keras.tree.flatten(losses) if isinstance(loss, CompositeLoss)]
 
 
-def _register(model, metrics):
+def _add_to_model(model, metrics):
     """Makes `metrics` part of the model's metrics, and each CompositeLoss's
     variables part of the model; the next step is traced again if any was new."""
     added = False
     for metric in metrics:
         if not any(m is metric for m in model.metrics):
-            # The model's tracking is locked once built; its own metrics
-            # list is what Model.metrics (and JAX's metrics state) read.
-            model._metrics.append(metric)
+            _keras_internals.add_model_metric(model, metric)
             added = True
     for loss in _composite_losses(model):
         added = loss.attach(model) or added
@@ -125,7 +123,7 @@ def _check_external(external, timeout):
     if not isinstance(external, dict):
         raise TypeError(f"`external` must be a dict of name -> function, or None; got {external!r}.")
     for name, fn in external.items():
-        if not isinstance(name, str) or not _METRIC_NAME.match(name):
+        if not isinstance(name, str) or not METRIC_NAME_PATTERN.match(name):
             raise ValueError(
                 f"`external` names must be non-empty strings of letters, digits, '_', '.' or '-'; got {name!r}."
             )
@@ -167,7 +165,7 @@ def _as_score(name, result):
     return {f"external/{name}": number(name, result)}
 
 
-class _Mirror(keras.metrics.Metric):
+class _RunningValuesMetric(keras.metrics.Metric):
     """Holds values the monitor reads outside the training step, so that Keras
     reports them like any metric (progress bar, History, evaluate's result)."""
 
@@ -190,6 +188,66 @@ class _Mirror(keras.metrics.Metric):
         # which a later update (validation) would change under the logs.
         values = ops.copy(self.values.value)
         return {key: values[i] for i, key in enumerate(self.keys)}
+
+
+class _Cadence:
+    """When `PenaltyMonitor` works. Keras dispatches batch ends asynchronously
+    (JAX, torch) unless a callback overrides that hook, and then for every
+    callback, so the monitor has no batch-end hook: the work due after batch
+    k runs at the begin of batch k + 1, on the main thread (where a JAX state
+    sync is safe), and after an epoch's last batch at the epoch's end, whose
+    logs History records.
+
+    `step` counts training batches over the whole fit (a probe every
+    `every` of them); `pending` is the batch whose end-of-batch work has not
+    run yet.
+    """
+
+    def __init__(self, every):
+        self.every = every
+        self.step = 0
+        self.pending = None
+
+    def epoch_began(self):
+        self.pending = None
+
+    def batch_began(self, batch):
+        """The batch whose work is now due (None if none), and `batch` pending."""
+        ended, self.pending = self.pending, batch
+        return ended
+
+    def epoch_ended(self):
+        """The epoch's last batch if its work is still due, else None."""
+        ended, self.pending = self.pending, None
+        return ended
+
+    def reads_values(self, batch, steps, epoch_end):
+        """Whether the objectives' running values are read after `batch`:
+        every `every` batches and at the epoch's end (reading syncs the
+        training state on JAX and waits for the step, so not after every
+        batch). `steps`: the epoch's batch count, None if unknown."""
+        return epoch_end or (batch + 1) % self.every == 0 or steps is None or batch + 1 >= steps
+
+    def probes(self):
+        """Whether the batch that just ended is probed."""
+        return self.step % self.every == 0
+
+    def batch_done(self):
+        self.step += 1
+
+
+def _probe_call(model, owners, x, y, *, with_loss):
+    """One forward pass of a probe: `model(x, training=False)` and, with
+    `with_loss`, the compiled loss on `y`, recording the term values of each
+    composite in `owners`. Returns `(records, loss)`: `records[id(owner)]`
+    lists the owner's value vectors, one per call (a shared objective is
+    called once per view); `loss` is None without `with_loss`."""
+    loss = None
+    with _capture.capturing(owners) as captured:
+        y_pred = model(x, training=False)
+        if with_loss:
+            loss = _keras_internals.compiled_loss(model)(y, y_pred)
+    return captured, loss
 
 
 class _ProbeSources:
@@ -223,7 +281,7 @@ class _ProbeSources:
         )
         # Keys whose values nothing else reports.
         self.regularizer_keys = [key for key, _ in self.weight_regularizers + self.activity_regularizers]
-        self.has_loss = getattr(model, "_compile_loss", None) is not None
+        self.has_loss = _keras_internals.compiled_loss(model) is not None
 
     @property
     def size(self):
@@ -231,19 +289,19 @@ class _ProbeSources:
 
     def outputs(self, x, y):
         """The measured values as one float32 vector (run in a stateless scope)."""
-        with _capture.capturing(self.objectives + self.composite_losses) as captured:
-            y_pred = self.model(x, training=False)
-            loss = ops.zeros((), "float32")
-            if self.has_loss and y is not None:
-                loss = ops.cast(self.model._compile_loss(y, y_pred), "float32")
+        owners = self.objectives + self.composite_losses
+        captured, loss = _probe_call(self.model, owners, x, y, with_loss=self.has_loss and y is not None)
+        loss = ops.zeros((), "float32") if loss is None else ops.cast(loss, "float32")
         values = []
-        for owner in self.objectives + self.composite_losses:
-            (owner_values,) = captured[id(owner)]
+        for owner in owners:
+            # A shared objective's value is the mean of its calls, as its logs.
+            records = captured[id(owner)]
+            owner_values = sum(records[1:], records[0]) / len(records)
             values.extend(owner_values[i] for i in range(len(owner.terms)))
         for _, variable in self.weight_regularizers:
             values.append(variable.regularizer(variable))
         for _, layer in self.activity_regularizers:
-            values.append(sum(layer._get_own_losses()))
+            values.append(sum(_keras_internals.own_losses(layer)))
         total = loss + sum(ops.cast(v, "float32") for v in self.model.losses)
         return [ops.cast(v, "float32") for v in values] + [loss, total]
 
@@ -344,12 +402,11 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.grad_norms = grad_norms
         self.history = []
         self.objectives = []
-        self._mirrors = {}
+        self._running_metrics = {}
         self._probes = {}
-        self._step = 0
+        self._cadence = _Cadence(every_n_batches)
         self._epoch = 0
         self._epoch_probes = []
-        self._ended = None  # the batch whose end-of-batch work is pending
         self._running = {}  # external score name -> its call, while one runs past its probe
         self._warned = set()
         self._score_keys = {}  # external score name -> the log keys its results gave
@@ -360,27 +417,27 @@ class PenaltyMonitor(keras.callbacks.Callback):
         super().set_model(model)
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
         for objective in self.objectives:
-            if id(objective) not in self._mirrors:
+            if id(objective) not in self._running_metrics:
                 keys = [f"{objective.name}/{key}" for key in objective.reported_keys]
-                self._mirrors[id(objective)] = _Mirror(keys, name=f"{objective.name}_terms")
-        self._register(model)
+                self._running_metrics[id(objective)] = _RunningValuesMetric(keys, name=f"{objective.name}_terms")
+        self._add_metrics_to(model)
 
-    def _register(self, model):
-        _register(model, [self._mirrors[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
+    def _add_metrics_to(self, model):
+        _add_to_model(model, [self._running_metrics[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
         for loss in _composite_losses(model):
             loss.tracker_registered = True
 
     # ------------------------------------------------------------ values
 
-    def _mirror(self, training, logs):
-        """Copies each objective's running means into its mirror metric and the batch logs."""
+    def _report_running_values(self, training, logs):
+        """Copies each objective's running means into its metric and the batch logs."""
         if not self.objectives:
             return
         self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
         for objective in self.objectives:
             values = objective.running_values(training)
             if values:
-                self._mirrors[id(objective)].update_state(list(values.values()))
+                self._running_metrics[id(objective)].update_state(list(values.values()))
                 if logs is not None:
                     logs.update({f"{objective.name}/{term}": v for term, v in values.items()})
 
@@ -402,7 +459,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         sources, fn = self._probes[id(model)]
         calls = self._start_external(model)
         values, norms = fn(*self.probe_data)
-        entry = {"step": self._step, "epoch": self._epoch}
+        entry = {"step": self._cadence.step, "epoch": self._epoch}
         entry.update(self._finish_external(calls))
         for i, (key, weight) in enumerate(zip(sources.term_keys, sources.weights())):
             value = float(values[i])
@@ -485,43 +542,31 @@ class PenaltyMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._epoch_probes = []
-        self._ended = None
+        self._cadence.epoch_began()
         self._reset(training=True)
 
-    def _due(self, batch):
-        """Whether to read the objectives after this batch: every
-        every_n_batches, and after an epoch's last batch, whose values Keras
-        puts in the epoch logs. Reading them syncs the training state (on JAX)
-        and waits for the step, so it is not done after every batch."""
-        steps = (self.params or {}).get("steps")
-        return (batch + 1) % self.every_n_batches == 0 or steps is None or batch + 1 >= steps
-
-    # No on_train_batch_end: Keras dispatches batch ends asynchronously (JAX,
-    # torch) unless a callback overrides that hook, and then does so for every
-    # batch. The work due after batch k runs at the start of batch k + 1, on
-    # the main thread, where a JAX state sync is safe; the epoch's last batch
-    # is caught up in on_epoch_end, whose logs History records.
-
     def on_train_batch_begin(self, batch, logs=None):
-        self._catch_up()
-        self._ended = batch
+        ended = self._cadence.batch_began(batch)
+        if ended is not None:
+            self._after_batch(ended, None)
 
-    def _catch_up(self, logs=None):
-        """The work due after the last batch that ended, if not done yet."""
-        batch, self._ended = self._ended, None
-        if batch is None:
-            return
-        if self._due(batch) or logs is not None:
-            self._mirror(True, logs)
-        if self.probe_data is not None and self._step % self.every_n_batches == 0:
+    def _after_batch(self, batch, logs):
+        """The work due after training batch `batch`; `logs` are the epoch's
+        end logs when it was the epoch's last, else None."""
+        epoch_end = logs is not None
+        if self._cadence.reads_values(batch, (self.params or {}).get("steps"), epoch_end):
+            self._report_running_values(True, logs)
+        if self.probe_data is not None and self._cadence.probes():
             probe_logs = self._probe_logs(self.probe())
             self._epoch_probes.append(probe_logs)
-            if logs is not None:
+            if epoch_end:
                 logs.update(probe_logs)
-        self._step += 1
+        self._cadence.batch_done()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._catch_up(logs if logs is not None else {})
+        ended = self._cadence.epoch_ended()
+        if ended is not None:
+            self._after_batch(ended, logs if logs is not None else {})
         for owner in self.objectives + _composite_losses(self.model):
             if owner.weighting is not None:
                 # Learned weights: what the next step uses.
@@ -536,7 +581,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._reset(training=False)
 
     def on_test_batch_end(self, batch, logs=None):
-        self._mirror(False, logs)
+        self._report_running_values(False, logs)
 
     # ------------------------------------------------------------ plot
 
@@ -617,7 +662,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         super().set_model(model)
         self.target = _settable_target(model, self.target_spec, "DynamicWeightAverage")
         if isinstance(self.target, CompositeLoss):
-            _register(model, [self.target.tracker])
+            _add_to_model(model, [self.target.tracker])
             self.target.tracker_registered = True
 
     def _set(self, weights):
@@ -723,7 +768,7 @@ class GradNorm(keras.callbacks.Callback):
         if isinstance(self.target, CompositeLoss):
             if self.probe_data[1] is None:
                 raise ValueError("`probe_data` must be (x, y) for a CompositeLoss target: its terms need y.")
-            _register(model, [])
+            _add_to_model(model, [])
 
     def _probe_fn(self):
         model = self.model  # syncs JAX state
@@ -731,12 +776,10 @@ class GradNorm(keras.callbacks.Callback):
             target, count = self.target, len(self.target.terms)
 
             def outputs(x, y):
-                with _capture.capturing([target]) as captured:
-                    y_pred = model(x, training=False)
-                    if isinstance(target, CompositeLoss):
-                        model._compile_loss(y, y_pred)
+                captured, _ = _probe_call(model, [target], x, y, with_loss=isinstance(target, CompositeLoss))
+                # A shared objective's terms: the sum of its calls, as in the loss.
                 records = captured[id(target)]
-                values = records[0] if len(records) == 1 else sum(records[1:], records[0])
+                values = sum(records[1:], records[0])
                 return [values[i] for i in range(count)]
 
             self._probes[id(model)] = gradients.parameter_probe(

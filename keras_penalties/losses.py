@@ -9,14 +9,13 @@ under the package `"keras_penalties.losses"`.
 """
 
 import inspect
-import sys
 import weakref
 
 import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import _capture, backend
+from keras_penalties import _capture, _keras_internals, backend
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.objective import (
@@ -27,7 +26,6 @@ from keras_penalties.objective import (
     deserialize_terms,
     scalar,
     serialize_terms,
-    uncertainty_offset,
     uncertainty_weights,
     whole_batch_values,
 )
@@ -106,27 +104,10 @@ class KLDivergence(_PenaltyLoss):
 
     penalty = staticmethod(penalties.kl_divergence)
 
-    def __init__(
-        self,
-        from_logits=False,
-        direction="forward",
-        temperature=1.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="kl_divergence",
-        dtype=None,
-        chunk_size=None,
-    ):
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            direction=direction,
-            temperature=temperature,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+    def __init__(self, from_logits=False, direction="forward", temperature=1.0, axis=-1,
+                 reduction="sum_over_batch_size", name="kl_divergence", dtype=None, chunk_size=None):
+        super().__init__(reduction, name, dtype, from_logits=from_logits, direction=direction,
+                         temperature=temperature, axis=axis, chunk_size=chunk_size)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -146,27 +127,10 @@ class JSDivergence(_PenaltyLoss):
 
     penalty = staticmethod(penalties.js_divergence)
 
-    def __init__(
-        self,
-        from_logits=False,
-        temperature=1.0,
-        beta=0.5,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="js_divergence",
-        dtype=None,
-        chunk_size=None,
-    ):
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            temperature=temperature,
-            beta=beta,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+    def __init__(self, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="sum_over_batch_size",
+                 name="js_divergence", dtype=None, chunk_size=None):
+        super().__init__(reduction, name, dtype, from_logits=from_logits, temperature=temperature, beta=beta,
+                         axis=axis, chunk_size=chunk_size)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -188,29 +152,11 @@ class Entropy(_PenaltyLoss):
     # A term of a CompositeObjective may give it the prediction alone.
     needs_y_true = False
 
-    def __init__(
-        self,
-        from_logits=False,
-        mode="penalty",
-        normalize=False,
-        temperature=1.0,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="entropy",
-        dtype=None,
-        chunk_size=None,
-    ):
+    def __init__(self, from_logits=False, mode="penalty", normalize=False, temperature=1.0, axis=-1,
+                 reduction="sum_over_batch_size", name="entropy", dtype=None, chunk_size=None):
         self.mode = check_entropy_mode("mode", mode)
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            normalize=normalize,
-            temperature=temperature,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+        super().__init__(reduction, name, dtype, from_logits=from_logits, normalize=normalize,
+                         temperature=temperature, axis=axis, chunk_size=chunk_size)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         # y_true may be None (nothing to compare with); Loss.__call__ would
@@ -303,21 +249,6 @@ class LossState(keras.layers.Layer):
         return inputs
 
 
-def _calling_model(holds):
-    """The model among the callers' frames (`self` of a Keras Model method)
-    for which `holds(model, function_name)` is true, or None. Keras hands a
-    loss no model; this is how the loss finds the one it belongs to."""
-    frame = sys._getframe(2)
-    for _ in range(64):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, keras.Model) and holds(candidate, frame.f_code.co_name):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
 def _computes(loss):
     # Keras calls a compiled loss from its model's compute_loss only.
     return lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
@@ -398,7 +329,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
                     f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
                     "`inputs` applies to CompositeObjective."
                 )
-        self._sums = [t.sums_over_samples for t in self.terms.values()]
+        self._sums_over_samples = [t.sums_over_samples for t in self.terms.values()]
         self._op_losses = {term_name: _as_loss(term) for term_name, term in self.terms.items()}
         self.state = LossState(self.terms, weighting, name=f"{self.name}_state")
         self.metric_keys = [f"{name}/{metric}" for name, t in self.terms.items() for metric in t.metrics]
@@ -406,7 +337,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
         self._attached = []  # weak references to the models holding `state`
-        model = _calling_model(_loading)
+        model = _keras_internals.calling_model(_loading)
         if model is not None:
             self.attach(model)
 
@@ -431,20 +362,13 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         it (its symbolic build, at the start of `fit`/`evaluate`, before the
         optimizer is built) or compiles it from a `.keras` file, and the
         package's callbacks do in `set_model`."""
-        host = model
-        if isinstance(model, keras.Sequential) and model._layers and isinstance(
-            model._layers[0], keras.layers.InputLayer
-        ):
-            # A Sequential's own layer list is its forward pass and its
-            # config; its input layer's sublayers are only collected.
-            host = model._layers[0]
         self._attached = [ref for ref in self._attached if ref() is not None]
         if any(ref() is model for ref in self._attached):
             return False
         self._attached.append(weakref.ref(model))
         if any(v is self.term_weights for v in model.variables):
             return False
-        host._layers.append(self.state)
+        _keras_internals.add_sublayer(model, self.state)
         return True
 
     def current_weights(self):
@@ -452,10 +376,6 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
         if self.log_variances is not None:
             return uncertainty_weights(self.log_variances.value)
         return self.term_weights.value
-
-    def effective_weights(self):
-        """Each term's weight in the total, 0 for a disabled term."""
-        return self.current_weights() * self.term_enabled.value
 
     def _metric_values(self, y_true, y_pred):
         """Each term's custom metrics on (y_true, y_pred), or on y_pred alone
@@ -485,7 +405,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         if not self._attached:
-            model = _calling_model(_computes(self))
+            model = _keras_internals.calling_model(_computes(self))
             if model is not None:
                 self.attach(model)
         values = ops.stack(
@@ -495,7 +415,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
             ]
         )
         y_true, y_pred = as_float32(y_true), as_float32(y_pred)
-        values = whole_batch_values(values, self._sums)
+        values = whole_batch_values(values, self._sums_over_samples)
         _capture.record(self, values)
         if self.tracker_registered:
             # The tracker's sums add up over replicas and steps; its count
@@ -504,9 +424,7 @@ class CompositeLoss(WeightControl, keras.losses.Loss):
             if self.metric_keys:
                 tracked = ops.concatenate([values, ops.stack(self._metric_values(y_true, y_pred))])
             self.tracker.update_state(tracked)
-        total = ops.sum(values * self.effective_weights())
-        if self.log_variances is not None:
-            total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)
+        total = self._total(values)
         divisor = backend.loss_replicas()
         if divisor > 1:
             # As Keras' own losses do: the replicas' gradients are summed.

@@ -30,17 +30,12 @@ import keras
 import numpy as np
 from keras import ops
 
-# Private Keras state, read only: which forward pass (a JAX stateless scope
-# in `fit`, else the outermost layer call) a call belongs to.
-from keras.src.backend.common import global_state
-from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-from keras_penalties import _capture, backend, gradients
+from keras_penalties import _capture, _keras_internals, backend, gradients
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
-_METRIC_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _OPS = {name: getattr(penalties, name) for name in penalties.PENALTIES}
 _TRAIN, _EVAL = 0, 1
 
@@ -155,7 +150,7 @@ def _check_metrics(metrics):
         raise TypeError(f"`metrics` must be a dict of name -> function or ops function name; got {metrics!r}.")
     checked = {}
     for name, fn in metrics.items():
-        if not isinstance(name, str) or not _METRIC_NAME.match(name):
+        if not isinstance(name, str) or not METRIC_NAME_PATTERN.match(name):
             raise ValueError(
                 f"`metrics` names must be non-empty strings usable as metric names "
                 f"(letters, digits, '_', '.', '-'); got {name!r}."
@@ -387,7 +382,7 @@ def build_terms(terms, weights=None):
     for name, term in items:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Term names must be non-empty strings; got {name!r}.")
-        if not _METRIC_NAME.match(name):
+        if not METRIC_NAME_PATTERN.match(name):
             raise ValueError(
                 f"Term name {name!r} cannot be a metric name: use letters, digits, '_', '.' or '-'."
             )
@@ -433,10 +428,10 @@ def scalar(name, value):
 
 
 class WeightControl:
-    """`set_weight`, `enable` and `disable` over variables, for a
-    `CompositeObjective` and a `CompositeLoss`: they need `terms`,
-    `weighting`, `term_weights`, `term_enabled`, `log_variances` and
-    `_weight_was_set(index)`."""
+    """The weights of a `CompositeObjective` and a `CompositeLoss`:
+    `set_weight`, `enable`, `disable`, the weights in use and the weighted
+    total. They need `terms`, `weighting`, `term_weights`, `term_enabled`,
+    `log_variances`, `current_weights()` and `_weight_was_set(index)`."""
 
     def _index(self, name):
         if name not in self.terms:
@@ -491,6 +486,20 @@ class WeightControl:
         weights = ops.convert_to_numpy(self.current_weights())
         return {name: float(weights[i]) for i, name in enumerate(self.terms)}
 
+    def effective_weights(self):
+        """What each term's value is multiplied by in the total: its current
+        weight, or 0 while disabled."""
+        return self.current_weights() * self.term_enabled.value
+
+    def _total(self, values, weights=None):
+        """Σ wᵢ·valueᵢ over the enabled terms (`weights`: the current ones by
+        default), plus Σ ½·sᵢ under uncertainty weighting."""
+        weights = self.current_weights() if weights is None else weights
+        total = ops.sum(values * weights * self.term_enabled.value)
+        if self.log_variances is not None:
+            total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)
+        return total
+
 
 @keras.saving.register_keras_serializable(package="keras_penalties")
 class CompositeObjective(WeightControl, keras.layers.Layer):
@@ -536,7 +545,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         # Fixed for the life of the layer: the traced step evaluates these.
         self._schedules = [t.weight if t.scheduled else None for t in self.terms.values()]
         self._scheduled = np.array([s is not None for s in self._schedules])
-        self._sums = np.array([t.sums_over_samples for t in self.terms.values()])
+        self._sums_over_samples = np.array([t.sums_over_samples for t in self.terms.values()])
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes = weakref.WeakKeyDictionary()
 
@@ -654,18 +663,6 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         (unless `set_weight` replaced them), numbers as set."""
         return self._weights_at(self.step.value)
 
-    def effective_weights(self):
-        """What each term's value is multiplied by in the total: its current
-        weight, or 0 while disabled."""
-        return self.current_weights() * self.term_enabled.value
-
-    def _total(self, values, weights=None):
-        weights = self.current_weights() if weights is None else weights
-        total = ops.sum(values * weights * self.term_enabled.value)
-        if self.log_variances is not None:
-            total = total + uncertainty_offset(self.log_variances.value, self.term_enabled.value)
-        return total
-
     def _pass(self, training):
         """The state of the forward pass this call belongs to.
 
@@ -675,7 +672,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         (there each layer call is its own outermost call), else the
         outermost layer call (the model's).
         """
-        token = get_stateless_scope() or global_state.get_global_attribute("current_call_ctx")
+        token = _keras_internals.stateless_scope() or _keras_internals.current_call_context()
         state = None if token is None else self._passes.get(token)
         if state is None:
             step = self.step.value
@@ -691,7 +688,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         # on JAX each call in `fit` is, so a second call would drop the
         # first call's penalty (plain Keras regularizers do lose it there).
         # Add back whatever of this pass was dropped.
-        held = self._get_own_losses()
+        held = _keras_internals.own_losses(self)
         for loss in state["losses"]:
             if not any(loss is h for h in held):
                 self.add_loss(loss)
@@ -702,7 +699,7 @@ class CompositeObjective(WeightControl, keras.layers.Layer):
         floats = as_float32(inputs)  # half-precision activations, once per call
         values = self._values(floats)
         _capture.record(self, values)
-        values = whole_batch_values(values, self._sums)
+        values = whole_batch_values(values, self._sums_over_samples)
         state = self._pass(training)
         self._add_loss_of_pass(state, self._total(values, state["weights"]))
         row = np.zeros((2, 1), "float32")

@@ -15,19 +15,16 @@ optimizer's learning rate at step t (schedules included) and t its
 - `GradientNoise`, `AdaptiveGradientClipping`, `GradientCentralization`:
   transform each gradient before the inner optimizer sees it.
 
-`exclude` (a list of strings) leaves alone every variable whose `path`
+`exclude` (a list of strings; every wrapper but `GradientNoise`, whose
+noise goes on every gradient) leaves alone every variable whose `path`
 contains one of them, as Keras' `exclude_from_weight_decay(var_names=...)`.
-A variable with a `None` gradient is left alone too.
+A variable with a `None` gradient is left alone by every wrapper.
 """
 
 import keras
 from keras import ops
 
-# Private Keras state, read only: whether `apply` runs inside JAX's stateless
-# training step (see `_Wrapper._inner_apply`).
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-from keras_penalties import backend, regularizers
+from keras_penalties import _keras_internals, backend, regularizers
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import magnitude
@@ -90,7 +87,7 @@ class _Wrapper(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return _keras_internals.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):
@@ -118,7 +115,7 @@ class _Wrapper(keras.optimizers.Optimizer):
                     "When passing `grads` without `trainable_variables`, the optimizer "
                     "must already be built: call `optimizer.build(trainable_variables)`."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = _keras_internals.optimizer_trainable_variables(self)
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -132,7 +129,7 @@ class _Wrapper(keras.optimizers.Optimizer):
         return not any(s in variable.path for s in self.exclude)
 
     def _inner_apply(self, grads, variables):
-        if in_stateless_scope():
+        if _keras_internals.in_stateless_scope():
             # JAX: the inner optimizer's own stateless path, which a
             # LossScaleOptimizer needs (its `apply` branches with `cond`).
             inner = self.inner_optimizer
@@ -337,7 +334,7 @@ class GradientNoise(_GradientTransform):
     def _build_own(self, var_list):
         with keras.name_scope(self.name, caller=self):
             self._seed_generator = keras.random.SeedGenerator(self.seed, name="noise_seed")
-        self._track_variable(self._seed_generator.state)
+        _keras_internals.track_optimizer_variable(self, self._seed_generator.state)
 
     def _transform_all(self, grads, variables):
         if self.stddev == 0.0:

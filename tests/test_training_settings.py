@@ -199,6 +199,20 @@ def test_shared_encoder_in_one_eager_call():
     np.testing.assert_allclose(sorted(float(to_numpy(v)) for v in model.losses), [l1, 2 * l1], rtol=1e-6)
 
 
+def test_shared_encoder_probed_by_the_monitor_gives_the_mean_of_its_calls():
+    # The probe reads a shared objective as its logs do: the mean over the
+    # views (|x| and |2x|), with the weight in use; the total counts both.
+    objective = CompositeObjective({"l1": Term("l1", 0.5)}, name="obj")
+    model = _two_view_model(objective)
+    monitor = PenaltyMonitor(probe_data=(X[:8], Y[:8]), every_n_batches=1)
+    model.fit(X[:8], Y[:8], batch_size=8, epochs=1, verbose=0, callbacks=[monitor])
+    (entry,) = monitor.history
+    l1 = np.abs(X[:8].astype(np.float64)).sum() / 8
+    np.testing.assert_allclose(entry["obj/l1"], 1.5 * l1, rtol=1e-6)
+    np.testing.assert_allclose(entry["obj/l1/contribution"], 0.5 * 1.5 * l1, rtol=1e-6)
+    np.testing.assert_allclose(entry["total"] - entry["base_loss"], 0.5 * 3 * l1, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- batch-size independence
 
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import tensorflow as tf
 from keras import ops
 
+from keras_penalties import _keras_internals
 from keras_penalties.backend._common import norm, sum_of_squares  # noqa: F401
 
 
@@ -18,11 +19,7 @@ def _in_xla():
     """Whether the graph being built will be compiled by XLA (`jit_compile`).
     TF has no public way to ask; without its private helper, assume so (the
     XLA-safe path works everywhere, at one more copy of the gradient)."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TF without the helper
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    return _keras_internals.tf_graph_in_xla(tf.compat.v1.get_default_graph())
 
 
 def _traced_untaped():
@@ -39,11 +36,7 @@ def _recorded(tensor):
     """Whether a gradient tape records `tensor` (someone may ask for its
     gradient). TF's own `custom_gradient` asks this; the helper is private,
     and without it every input counts as recorded."""
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:  # pragma: no cover - a TF without the helper
-        return True
-    return record.should_record_backprop([tensor])
+    return _keras_internals.tf_records_backprop([tensor])
 
 
 def map_chunks(fn, chunks, dtype):

@@ -343,6 +343,17 @@ def reduce(values, reduction):
     return scale_sum(ops.sum(values), values, reduction)
 
 
+def without_axis(shape, axis):
+    """`shape` as a tuple without its `axis` entry: the per-sample shape."""
+    return tuple(d for i, d in enumerate(shape) if i != axis)
+
+
+def shapes_differ(got, expected):
+    """Whether two shapes disagree: in rank, or in a size both know (None,
+    a size known only at run time, agrees with any)."""
+    return len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected))
+
+
 def sample_mask(mask, x, axis, name="mask", boolean=True):
     """`mask` as a bool tensor of x's per-sample shape (x's shape without
     `axis`), nonzero meaning kept; None stays None. With `boolean=False`
@@ -350,9 +361,8 @@ def sample_mask(mask, x, axis, name="mask", boolean=True):
     if mask is None:
         return None
     mask = ops.convert_to_tensor(mask)
-    expected = tuple(d for i, d in enumerate(x.shape) if i != axis)
-    got = tuple(mask.shape)
-    if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+    expected, got = without_axis(x.shape, axis), tuple(mask.shape)
+    if shapes_differ(got, expected):
         raise ValueError(
             f"`{name}` must have the per-sample shape {expected} (the input's shape without "
             f"`axis`); got {got}."

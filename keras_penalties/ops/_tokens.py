@@ -126,9 +126,8 @@ def _labels(labels, like, axis, mask):
     """`labels` as int32 of the per-position shape of `like`; 0 where `mask`
     drops a position (padding labels such as -100 never index a class)."""
     labels = ops.convert_to_tensor(labels)
-    expected = tuple(d for i, d in enumerate(like.shape) if i != axis)
-    got = tuple(labels.shape)
-    if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+    expected, got = num.without_axis(like.shape, axis), tuple(labels.shape)
+    if num.shapes_differ(got, expected):
         raise ValueError(
             f"`labels` must have the logits' shape without the class axis, {expected} (one class "
             f"index per position); got {got}."

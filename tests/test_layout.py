@@ -1,0 +1,62 @@
+"""The package's rooms (README, Development): private Keras and TF APIs only
+in `_keras_internals.py`; backend-specific code only in `backend/`, whose
+modules do not import each other. Pure source checks (the files' syntax
+trees), so they run, and mean the same, on every backend."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "keras_penalties"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+INTERNALS = PACKAGE / "_keras_internals.py"
+
+PRIVATE_MODULES = ("keras.src", "tensorflow.python")
+# Private attributes of Keras objects the package has needed (each now a
+# function in _keras_internals.py), and CPython's frame access.
+PRIVATE_ATTRIBUTES = {
+    "_metrics", "_compile_loss", "_layers", "_get_own_losses", "_variables", "_trainable_variables",
+    "_track_variable", "_keras_history", "_inbound_nodes", "_getframe",
+}
+
+
+def _private_uses(path):
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith(PRIVATE_MODULES)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PRIVATE_MODULES):
+            found.append(node.module)
+        elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES:
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_the_checker_finds_private_uses():
+    # The internals module itself is full of them: the check can fail.
+    uses = _private_uses(INTERNALS)
+    assert any(u.startswith("keras.src") for u in uses) and any("._getframe" in u for u in uses), uses
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p != INTERNALS], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_private_keras_apis_only_in_keras_internals(path):
+    assert _private_uses(path) == [], f"{path.name}: move these behind a function in _keras_internals.py"
+
+
+def test_backend_modules_do_not_import_each_other():
+    modules = {"jax", "tensorflow", "torch"}
+    for name in modules:
+        tree = ast.parse((PACKAGE / "backend" / f"{name}.py").read_text())
+        imported = {
+            node.module.rsplit(".", 1)[-1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_penalties.backend.")
+        }
+        imported |= {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "keras_penalties.backend"
+            for alias in node.names
+        }
+        assert not imported & (modules - {name}), f"backend/{name}.py imports {imported & modules}"
