@@ -9,16 +9,11 @@ framework starts):
 
 import contextlib
 import json
-import os
 
-BACKEND = os.environ.get("KERAS_BACKEND", "jax")
-if __name__ == "__main__" and BACKEND == "jax":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+from tests.two_devices import BACKEND, BATCH, before_keras, regression_data, split_tensorflow_cpu
 
-try:  # torch before tensorflow: the other order crashes here
-    import torch  # noqa: F401
-except ImportError:
-    pass
+if __name__ == "__main__":
+    before_keras()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -27,9 +22,7 @@ from keras_penalties import regularizers as R  # noqa: E402
 from keras_penalties import optimizers as opt  # noqa: E402
 
 RNG = np.random.default_rng(0)
-X = RNG.normal(size=(32, 6)).astype("float32")
-Y = RNG.normal(size=(32, 3)).astype("float32")
-BATCH = 8  # global batch: 4 samples per replica
+X, Y = regression_data(RNG, 3)
 
 # AGC and noise are nonlinear in the gradient: they must see the whole
 # gradient, not each replica's part (TF sums the parts inside the inner optimizer).
@@ -63,10 +56,7 @@ def two_devices():
 
 def main():
     if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        split_tensorflow_cpu()
     differences = {}
     for name, make in OPTIMIZERS.items():
         one = train(make, contextlib.nullcontext())

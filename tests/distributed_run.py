@@ -20,17 +20,12 @@ against its layer's largest.
 """
 
 import json
-import os
 import sys
 
-BACKEND = os.environ.get("KERAS_BACKEND", "jax")
-if __name__ == "__main__" and BACKEND == "jax":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+from tests.two_devices import BACKEND, BATCH, before_keras, regression_data, split_tensorflow_cpu
 
-try:  # torch before tensorflow: the other order crashes here
-    import torch  # noqa: F401
-except ImportError:
-    pass
+if __name__ == "__main__":
+    before_keras()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,9 +37,7 @@ from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMon
 from keras_penalties.distillation import Distiller, LogitsDivergence  # noqa: E402
 
 RNG = np.random.default_rng(0)
-X = RNG.normal(size=(32, 6)).astype("float32")
-Y = RNG.normal(size=(32, 4)).astype("float32")
-BATCH = 8  # global batch: 4 samples per replica
+X, Y = regression_data(RNG, 4)
 
 
 class Control(keras.callbacks.Callback):
@@ -194,12 +187,7 @@ def _same_kind(key, probe, layer, kind):
 
 def main(mode):
     if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
-        )
+        split_tensorflow_cpu()
     one = {**train(), **train_distiller()}
     with distributed(mode):
         two = {**train(), **train_distiller()}

@@ -11,6 +11,7 @@ from keras_penalties import ops as P
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 from keras_penalties.gradients import gradient_norms, gradient_penalty, interpolated_gradient_penalty
+from tests.testing import assert_raises_as_listed
 
 X = np.ones((2, 3), np.float32)
 
@@ -54,9 +55,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_error_names_the_argument(name):
-    call, error, message = ERRORS[name]
-    with pytest.raises(error, match=message):
-        call()
+    assert_raises_as_listed(ERRORS[name])
 
 
 def test_probe_data_as_a_two_list_is_x_and_y():

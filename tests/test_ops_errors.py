@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from keras_penalties import ops as P
+from tests.testing import assert_raises_as_listed
 
 X = np.ones((2, 3), np.float32)
 
@@ -79,9 +80,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_error_names_the_argument(name):
-    call, error, message = ERRORS[name]
-    with pytest.raises(error, match=message):
-        call()
+    assert_raises_as_listed(ERRORS[name])
 
 
 def test_check_options_validates_without_calling():

@@ -9,6 +9,7 @@ import contextlib
 
 import keras
 import numpy as np
+import pytest
 from keras import ops
 
 from keras_penalties import backend
@@ -75,6 +76,13 @@ def central_difference(fn, x, eps=1e-6):
         step[i] = eps
         out[i] = (float(fn(x + step)) - float(fn(x - step))) / (2 * eps)
     return out
+
+
+def assert_raises_as_listed(case):
+    """`case` is `(call, error type, message regex)`: calling raises so."""
+    call, error, message = case
+    with pytest.raises(error, match=message):
+        call()
 
 
 def assert_finite(x, what):

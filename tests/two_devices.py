@@ -1,0 +1,40 @@
+"""Two CPU devices for the distributed runs (tests/distributed_run.py,
+tests/distributed_optimizers_run.py): device counts are fixed when the
+framework starts, so each run calls `before_keras()` before it imports
+Keras, and `split_tensorflow_cpu()` before TensorFlow runs anything.
+
+Only a run's own process may call them: pytest imports these modules
+(`--doctest-modules`) in the process that runs the rest of the suite.
+"""
+
+import os
+
+import numpy as np
+
+BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+BATCH = 8  # the runs' global batch: 4 samples per replica
+
+
+def regression_data(rng, targets):
+    """32 samples of 6 normal features and `targets` normal targets, float32."""
+    return rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, targets)).astype("float32")
+
+
+def before_keras():
+    """JAX: two virtual host devices (`XLA_FLAGS`, read when JAX starts).
+    Every backend: torch imported before TensorFlow (the other order
+    crashes here)."""
+    if BACKEND == "jax":
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+
+def split_tensorflow_cpu():
+    """Makes TensorFlow's CPU two logical devices ("/cpu:0", "/cpu:1")."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
