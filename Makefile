@@ -41,9 +41,10 @@ KERAS_HUB := "keras-hub; python_version >= '3.11'" "regex; python_version >= '3.
 # the pinned Keras's). The integration tests run on it too.
 KERAS_OLDEST := 3.14.1
 KERAS_OLDEST_PATH := $(VENV)/keras-$(KERAS_OLDEST)
+# Those that lean on Keras' internals: composition, adaptive weighting, the
+# monitor, save/load, and training settings (mixed precision, shared layers).
 INTEGRATION_TESTS := tests/test_objective.py tests/test_composite_loss.py tests/test_weighting.py \
-	tests/test_monitor.py tests/test_saving.py tests/test_training_settings.py tests/test_optimizers.py \
-	tests/test_distillation.py tests/test_layout.py
+	tests/test_monitor.py tests/test_saving.py tests/test_training_settings.py
 
 $(VENV)/.installed-test: $(PY) pyproject.toml constraints.txt
 	$(PIP) -e ".[all-cpu,test]"

@@ -12,8 +12,8 @@ import numpy as np
 from keras import ops
 
 from keras_penalties import _capture, _keras_internals, gradients
-from keras_penalties.losses import CompositeLoss
-from keras_penalties.objective import METRIC_NAME_PATTERN, CompositeObjective
+from keras_penalties.objective import CompositeLoss, CompositeObjective
+from keras_penalties.terms import METRIC_NAME_PATTERN
 from keras_penalties.ops import _numerics as num
 
 
@@ -236,80 +236,89 @@ class _Cadence:
         self.step += 1
 
 
-def _probe_call(model, owners, x, y, *, with_loss):
-    """One forward pass of a probe: `model(x, training=False)` and, with
-    `with_loss`, the compiled loss on `y`, recording the term values of each
-    composite in `owners`. Returns `(records, loss)`: `records[id(owner)]`
-    lists the owner's value vectors, one per call (a shared objective is
-    called once per view); `loss` is None without `with_loss`."""
-    loss = None
-    with _capture.capturing(owners) as captured:
-        y_pred = model(x, training=False)
-        if with_loss:
-            loss = _keras_internals.compiled_loss(model)(y, y_pred)
-    return captured, loss
+class _Probe:
+    """One probe of a model, compiled once, shared by `PenaltyMonitor` and
+    `GradNorm`: on a fixed batch, in inference mode and changing no state
+    (see `gradients.parameter_probe`), it measures the term values of
+    `composites` and, with `everything`, the model's weight and activity
+    regularizers, the compiled loss and the total training loss — in that
+    order, as `keys` lists them (then "base_loss", "total") — with each one's
+    gradient norm over `variables` (all trainable ones by default).
 
+    A composite called several times per pass (a shared encoder on two
+    views) gives the mean of its calls (`calls="mean"`, as its logs) or
+    their sum (`calls="sum"`, as it counts in the loss).
+    """
 
-class _ProbeSources:
-    """Everything a probe measures in one model, in a fixed order: objective
-    terms, CompositeLoss terms, weight regularizers, activity regularizers,
-    then the compiled loss and the total training loss."""
-
-    def __init__(self, model, objectives):
+    def __init__(self, model, composites, *, everything=True, calls="mean", variables=None, grad_norms=True):
         self.model = model
-        self.objectives = objectives
-        self.composite_losses = _composite_losses(model)
-        owners = {}
-        for layer in _layers(model):
-            for variable in layer.trainable_weights:
-                owners[id(variable)] = layer
-        self.weight_regularizers = [
-            (f"{owners[id(v)].name}/{v.name}_regularizer", v)
-            for v in model.trainable_variables
-            if getattr(v, "regularizer", None) is not None and id(v) in owners
-        ]
-        self.activity_regularizers = [
-            (f"{layer.name}/activity_regularizer", layer)
-            for layer in _layers(model)
-            if getattr(layer, "activity_regularizer", None) is not None
-        ]
-        self.term_keys = (
-            [f"{o.name}/{t}" for o in objectives for t in o.terms]
-            + [f"{c.name}/{t}" for c in self.composite_losses for t in c.terms]
-            + [key for key, _ in self.weight_regularizers]
-            + [key for key, _ in self.activity_regularizers]
-        )
+        self.composites = list(composites)
+        self.calls = calls
+        self.everything = everything
+        self.term_keys = [f"{c.name}/{t}" for c in self.composites for t in c.terms]
+        self.weight_regularizers, self.activity_regularizers = [], []
+        if everything:
+            owners = {}
+            for layer in _layers(model):
+                for variable in layer.trainable_weights:
+                    owners[id(variable)] = layer
+            self.weight_regularizers = [
+                (f"{owners[id(v)].name}/{v.name}_regularizer", v)
+                for v in model.trainable_variables
+                if getattr(v, "regularizer", None) is not None and id(v) in owners
+            ]
+            self.activity_regularizers = [
+                (f"{layer.name}/activity_regularizer", layer)
+                for layer in _layers(model)
+                if getattr(layer, "activity_regularizer", None) is not None
+            ]
         # Keys whose values nothing else reports.
         self.regularizer_keys = [key for key, _ in self.weight_regularizers + self.activity_regularizers]
+        self.term_keys += self.regularizer_keys
         self.has_loss = _keras_internals.compiled_loss(model) is not None
+        # A CompositeLoss records its terms only when the compiled loss runs.
+        self._with_loss = self.has_loss and (everything or any(isinstance(c, CompositeLoss) for c in self.composites))
+        size = len(self.term_keys) + 2 * everything
+        self._measure = gradients.parameter_probe(
+            model, self._outputs, size, grad_norms=grad_norms, variables=variables
+        )
 
-    @property
-    def size(self):
-        return len(self.term_keys) + 2
+    def __call__(self, x, y):
+        """`(values, norms)`, NumPy vectors in `keys` order (norms None
+        without `grad_norms`)."""
+        return self._measure(x, y)
 
-    def outputs(self, x, y):
-        """The measured values as one float32 vector (run in a stateless scope)."""
-        owners = self.objectives + self.composite_losses
-        captured, loss = _probe_call(self.model, owners, x, y, with_loss=self.has_loss and y is not None)
-        loss = ops.zeros((), "float32") if loss is None else ops.cast(loss, "float32")
+    def _outputs(self, x, y):
+        """The measured values as a list of float32 scalars (run in a stateless scope)."""
+        loss = None
+        with _capture.capturing(self.composites) as captured:
+            y_pred = self.model(x, training=False)
+            if self._with_loss and y is not None:
+                loss = _keras_internals.compiled_loss(self.model)(y, y_pred)
         values = []
-        for owner in owners:
-            # A shared objective's value is the mean of its calls, as its logs.
-            records = captured[id(owner)]
-            owner_values = sum(records[1:], records[0]) / len(records)
-            values.extend(owner_values[i] for i in range(len(owner.terms)))
+        for composite in self.composites:
+            records = captured[id(composite)]
+            combined = sum(records[1:], records[0])
+            if self.calls == "mean":
+                combined = combined / len(records)
+            values.extend(combined[i] for i in range(len(composite.terms)))
         for _, variable in self.weight_regularizers:
             values.append(variable.regularizer(variable))
         for _, layer in self.activity_regularizers:
             values.append(sum(_keras_internals.own_losses(layer)))
+        values = [ops.cast(v, "float32") for v in values]
+        if not self.everything:
+            return values
+        loss = ops.zeros((), "float32") if loss is None else ops.cast(loss, "float32")
         total = loss + sum(ops.cast(v, "float32") for v in self.model.losses)
-        return [ops.cast(v, "float32") for v in values] + [loss, total]
+        return values + [loss, total]
 
     def weights(self):
-        """Each term's current effective weight (0 when disabled)."""
+        """Each measured term's current effective weight (0 when disabled; 1
+        for a regularizer)."""
         weights = []
-        for owner in self.objectives + self.composite_losses:
-            weights.extend(float(w) for w in ops.convert_to_numpy(owner.effective_weights()))
+        for composite in self.composites:
+            weights.extend(float(w) for w in ops.convert_to_numpy(composite.effective_weights()))
         weights.extend(1.0 for _ in self.regularizer_keys)
         return weights
 
@@ -453,15 +462,15 @@ class PenaltyMonitor(keras.callbacks.Callback):
         """Probes `probe_data` now; returns (and appends to `history`) one entry."""
         model = self.model  # syncs JAX state
         if id(model) not in self._probes:
-            sources = _ProbeSources(model, self.objectives)
-            fn = gradients.parameter_probe(model, sources.outputs, sources.size, grad_norms=self.grad_norms)
-            self._probes[id(model)] = (sources, fn)
-        sources, fn = self._probes[id(model)]
+            self._probes[id(model)] = _Probe(
+                model, self.objectives + _composite_losses(model), grad_norms=self.grad_norms
+            )
+        probe = self._probes[id(model)]
         calls = self._start_external(model)
-        values, norms = fn(*self.probe_data)
+        values, norms = probe(*self.probe_data)
         entry = {"step": self._cadence.step, "epoch": self._epoch}
         entry.update(self._finish_external(calls))
-        for i, (key, weight) in enumerate(zip(sources.term_keys, sources.weights())):
+        for i, (key, weight) in enumerate(zip(probe.term_keys, probe.weights())):
             value = float(values[i])
             entry.update({key: value, f"{key}/weight": weight, f"{key}/contribution": weight * value})
             if norms is not None:
@@ -525,14 +534,14 @@ class PenaltyMonitor(keras.callbacks.Callback):
         return results
 
     def _probe_logs(self, entry):
-        sources, _ = self._probes[id(self._model)]
-        logs = {key: entry[key] for key in sources.regularizer_keys}
+        probe = self._probes[id(self._model)]
+        logs = {key: entry[key] for key in probe.regularizer_keys}
         logs.update({key: value for key, value in entry.items() if key.startswith("external/")})
         if self.grad_norms:
-            for key in sources.term_keys:
+            for key in probe.term_keys:
                 logs[f"{key}/grad_norm"] = entry[f"{key}/grad_norm"]
                 logs[f"{key}/grad_norm_weighted"] = entry[f"{key}/grad_norm_weighted"]
-            if sources.has_loss:
+            if probe.has_loss:
                 logs["base_loss/grad_norm"] = entry["base_loss/grad_norm"]
             logs["total/grad_norm"] = entry["total/grad_norm"]
         return logs
@@ -598,20 +607,20 @@ class PenaltyMonitor(keras.callbacks.Callback):
             raise ImportError("PenaltyMonitor.plot() needs matplotlib: pip install matplotlib") from error
         if not self.history:
             raise ValueError("No probes yet: give PenaltyMonitor probe_data and train first.")
-        sources, _ = self._probes[id(self._model)]
+        probe = self._probes[id(self._model)]
         steps = [entry["step"] for entry in self.history]
         # Weights that changed while training (schedules, adaptive methods) get a panel.
-        moving = [k for k in sources.term_keys if len({e[f"{k}/weight"] for e in self.history}) > 1]
+        moving = [k for k in probe.term_keys if len({e[f"{k}/weight"] for e in self.history}) > 1]
         rows = 1 + self.grad_norms + bool(moving)
         figure, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), sharex=True, squeeze=False)
-        for key in sources.term_keys:
+        for key in probe.term_keys:
             axes[0, 0].plot(steps, [e[f"{key}/contribution"] for e in self.history], label=key)
         axes[0, 0].plot(steps, [e["base_loss"] for e in self.history], "k--", label="base_loss (compiled loss)")
         axes[0, 0].plot(steps, [e["total"] for e in self.history], "k", label="total (training loss)")
         axes[0, 0].set_ylabel("contribution to the loss\n(weight × term)")
         axes[0, 0].legend(fontsize="small")
         if self.grad_norms:
-            for key in sources.term_keys:
+            for key in probe.term_keys:
                 axes[1, 0].plot(steps, [e[f"{key}/grad_norm_weighted"] for e in self.history], label=key)
             axes[1, 0].plot(steps, [e["base_loss/grad_norm"] for e in self.history], "k--", label="base_loss (compiled loss)")
             axes[1, 0].plot(steps, [e["total/grad_norm"] for e in self.history], "k", label="total (training loss)")
@@ -770,20 +779,12 @@ class GradNorm(keras.callbacks.Callback):
                 raise ValueError("`probe_data` must be (x, y) for a CompositeLoss target: its terms need y.")
             _add_to_model(model, [])
 
-    def _probe_fn(self):
+    def _probe(self):
         model = self.model  # syncs JAX state
         if id(model) not in self._probes:
-            target, count = self.target, len(self.target.terms)
-
-            def outputs(x, y):
-                captured, _ = _probe_call(model, [target], x, y, with_loss=isinstance(target, CompositeLoss))
-                # A shared objective's terms: the sum of its calls, as in the loss.
-                records = captured[id(target)]
-                values = sum(records[1:], records[0])
-                return [values[i] for i in range(count)]
-
-            self._probes[id(model)] = gradients.parameter_probe(
-                model, outputs, count, variables=list(self.layer.trainable_weights)
+            # The terms as they count in the loss: a shared objective's calls summed.
+            self._probes[id(model)] = _Probe(
+                model, [self.target], everything=False, calls="sum", variables=list(self.layer.trainable_weights)
             )
         return self._probes[id(model)]
 
@@ -795,7 +796,7 @@ class GradNorm(keras.callbacks.Callback):
         self._step += 1
         if self._step % self.every_n_batches:
             return
-        values, norms = self._probe_fn()(*self.probe_data)
+        values, norms = self._probe()(*self.probe_data)
         values, norms = np.asarray(values, "float64"), np.asarray(norms, "float64")
         if self._initial is None:
             self._initial = values
