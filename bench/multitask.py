@@ -105,11 +105,7 @@ def methods(probe):
         "fixed equal weights": lambda: (build(), []),
         "uncertainty": lambda: (build(weighting="uncertainty"), []),
         "DWA (T = 2)": lambda: (build(), [DynamicWeightAverage("tasks")]),
-        "GradNorm (α = 1.5, learning_rate = 0.025)": lambda: (build(), [GradNorm("tasks", "trunk_2", probe_data=probe)]),
-        # The step is learning_rate·gᵢ: with norms of order 10–100 the default overshoots.
-        "GradNorm (α = 1.5, learning_rate = 0.001)": lambda: (
-            build(), [GradNorm("tasks", "trunk_2", learning_rate=1e-3, probe_data=probe)]
-        ),
+        "GradNorm (α = 1.5, Adam(0.025))": lambda: (build(), [GradNorm("tasks", "trunk_2", probe_data=probe)]),
     }
 
 

@@ -133,16 +133,17 @@ print("  weights per epoch (reg_x10):", np.round(logs["tasks/reg_x10/weight"], 3
 
 GradNorm probes a fixed batch and measures each task's gradient norm with
 respect to the last shared layer, then steps the weights towards equal
-weighted norms, scaled by how far each task has come. The step is
-`learning_rate`·gᵢ, in the norms' units: the large regression's norm is in
-the tens to hundreds here, so the learning rate is 0.001 rather than the
-paper's 0.025. The monitor, probing the same batch, plots the weights.
+weighted norms, scaled by how far each task has come. The weights take
+steps of their own optimizer, Adam(0.025) as in the paper: Adam divides by
+the gradient's running magnitude, so the weight of a task whose norm is 1
+moves as fast as one whose norm is 100. The monitor, probing the same
+batch, plots the weights.
 """
 
 gradnorm = model_with()
 probe = (x[:128], y[:128])
 monitor = PenaltyMonitor(probe_data=probe, every_n_batches=8)
-callback = GradNorm("tasks", "trunk", learning_rate=1e-3, probe_data=probe, every_n_batches=8)
+callback = GradNorm("tasks", "trunk", probe_data=probe, every_n_batches=8)
 gradnorm.fit(x, y, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=[callback, monitor])
 print("GradNorm    ", task_errors(gradnorm))
 last = callback.history[-1]

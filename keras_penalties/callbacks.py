@@ -2,6 +2,7 @@
 norms, in the training logs) and the adaptive weightings
 `DynamicWeightAverage` and `GradNorm`."""
 
+import concurrent.futures
 import math
 import threading
 import time
@@ -718,15 +719,19 @@ class GradNorm(keras.callbacks.Callback):
     `PenaltyMonitor` does: compiled once, in inference mode, changing no
     state) for each term's unweighted value Lᵢ and gradient norm
     gᵢ = ‖∇_W termᵢ‖ with respect to all of `layer`'s trainable weights W
-    (the last shared layer), and steps the weights:
-    with Gᵢ = wᵢ·gᵢ, Ḡ their mean and rᵢ = (Lᵢ/Lᵢ(0)) / meanⱼ(Lⱼ/Lⱼ(0)),
+    (the last shared layer). As the paper trains them, the weights wᵢ are
+    parameters of L_grad = Σᵢ |Gᵢ − Ḡ·rᵢ^α|, with Gᵢ = wᵢ·gᵢ, Ḡ their mean,
+    rᵢ = (Lᵢ/Lᵢ(0)) / meanⱼ(Lⱼ/Lⱼ(0)) and the target Ḡ·rᵢ^α held constant:
+    each probe takes one step of `optimizer` on
 
-        wᵢ ← wᵢ − learning_rate · sign(Gᵢ − Ḡ·rᵢ^α) · gᵢ,
+        ∂L_grad/∂wᵢ = sign(Gᵢ − Ḡ·rᵢ^α) · gᵢ,
 
-    then clips at 0 and rescales so Σwᵢ = K (K terms). Lᵢ(0) is the first
-    probe of each `fit`. The batch logs of a probe (progress bar) and each
-    epoch's logs (History) get `"<target>/<term>/weight"`, the weight in use
-    after the latest probe.
+    then clips the weights at 0 and rescales them so Σwᵢ = K (K terms).
+    Adam's per-weight normalisation removes the scale of gᵢ, so a term with
+    small gradients moves as fast as one with large ones (a plain signed step
+    of size ∝ gᵢ starves it). Lᵢ(0) is the first probe of each `fit`. The
+    batch logs of a probe (progress bar) and each epoch's logs (History) get
+    `"<target>/<term>/weight"`, the weight in use after the latest probe.
 
     Args:
         target: a `CompositeObjective` or `CompositeLoss` of the model, or
@@ -734,7 +739,11 @@ class GradNorm(keras.callbacks.Callback):
         layer: the shared layer (or its name) whose weights the norms are
             taken over.
         alpha: α ≥ 0, how strongly slower terms are pulled up (0: equal norms).
-        learning_rate: the step size of the weights (> 0).
+        optimizer: the weights' own optimizer, a `keras.optimizers.Optimizer`
+            instance (or identifier) that is not the model's. GradNorm steps
+            a copy of it (same class and config) whose state is the weights'
+            alone and lasts across `fit` calls. Default
+            `keras.optimizers.Adam(0.025)`, the paper's and LibMTL's.
         probe_data: `(x, y)` or `x`, a fixed batch (`y` is needed for a
             `CompositeLoss`).
         every_n_batches: probe every this many training batches (≥ 1).
@@ -746,16 +755,25 @@ class GradNorm(keras.callbacks.Callback):
     Attributes:
         history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
             and `"weights"` (after the update), each a dict by term.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from keras import ops
+    >>> from keras_penalties.callbacks import GradNorm
+    >>> gradnorm = GradNorm("objective", "shared", probe_data=(np.zeros((4, 3)), np.zeros((4, 1))))
+    >>> type(gradnorm.optimizer).__name__, round(float(ops.convert_to_numpy(gradnorm.optimizer.learning_rate)), 6)
+    ('Adam', 0.025)
     """
 
-    def __init__(self, target, layer, *, alpha=1.5, learning_rate=0.025, probe_data, every_n_batches=1):
+    def __init__(self, target, layer, *, alpha=1.5, optimizer=None, probe_data, every_n_batches=1):
         super().__init__()
         self.target_spec = _check_target(target)
         if not (isinstance(layer, keras.layers.Layer) or (isinstance(layer, str) and layer)):
             raise TypeError(f"`layer` must be a Layer of the model or its name; got {layer!r}.")
         self.layer_spec = layer
         self.alpha = num.non_negative("alpha", alpha)
-        self.learning_rate = num.positive("learning_rate", learning_rate)
+        self.optimizer = _own_optimizer(optimizer)
         self.every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
         if probe_data is None:
             raise TypeError("`probe_data` is required: GradNorm measures gradient norms on a fixed batch.")
@@ -763,9 +781,17 @@ class GradNorm(keras.callbacks.Callback):
         self.target = self.layer = None
         self.history = []
         self._probes = {}
+        # The weights as the optimizer's variable (before clipping), and the
+        # copy of `optimizer` that steps them, both made on the host thread.
+        self._weights = self._stepper = None
 
     def set_model(self, model):
         super().set_model(model)
+        if self.optimizer is getattr(model, "optimizer", None):
+            raise ValueError(
+                "`optimizer` is the model's optimizer; GradNorm's weights need one of their own "
+                "(its state would mix with the model's). Pass a new instance, e.g. keras.optimizers.Adam(0.025)."
+            )
         self.target = _settable_target(model, self.target_spec, "GradNorm")
         layers = _layers(model)
         found = [l for l in layers if l is self.layer_spec or l.name == self.layer_spec]
@@ -788,6 +814,29 @@ class GradNorm(keras.callbacks.Callback):
             )
         return self._probes[id(model)]
 
+    def _step_weights(self, weights, gradient):
+        """One step of the optimizer from `weights` along `gradient` (NumPy).
+
+        It runs on a host thread of its own: Keras' and TF's distribution
+        and dtype-policy state is per thread, so the weights and the
+        optimizer's state are plain float32 variables there even while
+        `fit` runs inside a `tf.distribute` scope (where an optimizer
+        applied from a callback has no replica context) or a Keras
+        distribution."""
+
+        def step():
+            if self._weights is None or tuple(self._weights.shape) != weights.shape:
+                self._weights = keras.Variable(
+                    weights.astype("float32"), dtype="float32", trainable=True, name="gradnorm_weights"
+                )
+                # A copy built here: one made in a strategy scope applies only there.
+                self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
+            self._weights.assign(weights.astype("float32"))
+            self._stepper.apply([ops.convert_to_tensor(gradient.astype("float32"))], [self._weights])
+            return np.asarray(ops.convert_to_numpy(self._weights), "float64")
+
+        return _host_thread().submit(step).result()
+
     def on_train_begin(self, logs=None):
         self._step = 0
         self._initial = None
@@ -801,7 +850,8 @@ class GradNorm(keras.callbacks.Callback):
         if self._initial is None:
             self._initial = values
         weights = np.array(list(self.target.weights_in_use().values()), "float64")
-        new = gradnorm_step(weights, values, norms, self._initial, self.alpha, self.learning_rate)
+        gradient = gradnorm_gradient(weights, values, norms, self._initial, self.alpha)
+        new = clip_and_renormalise(self._step_weights(weights, gradient))
         for name, weight in zip(self.target.terms, new):
             self.target.set_weight(name, float(weight))
         names = list(self.target.terms)
@@ -818,12 +868,44 @@ class GradNorm(keras.callbacks.Callback):
         _log_weights(self.target, logs)
 
 
-def gradnorm_step(weights, values, norms, initial, alpha, learning_rate):
-    """One GradNorm update of the weights (NumPy, float64), as `GradNorm` documents."""
+_HOST = []
+
+
+def _host_thread():
+    """The one worker thread that runs GradNorm's optimizers."""
+    if not _HOST:
+        _HOST.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="keras_penalties_host"))
+    return _HOST[0]
+
+
+def _own_optimizer(optimizer):
+    """GradNorm's `optimizer`: None (Adam(0.025)), an optimizer instance or a
+    Keras identifier."""
+    if optimizer is None:
+        return keras.optimizers.Adam(learning_rate=0.025)
+    if isinstance(optimizer, type):
+        raise TypeError(f"`optimizer` must be an optimizer instance; got the class {optimizer.__name__}.")
+    if isinstance(optimizer, (str, dict)):
+        try:
+            return keras.optimizers.get(optimizer)
+        except ValueError as error:
+            raise ValueError(f"`optimizer`: {error}") from error
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer; got {optimizer!r}.")
+    return optimizer
+
+
+def gradnorm_gradient(weights, values, norms, initial, alpha):
+    """∂L_grad/∂wᵢ = sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ (NumPy, float64), as `GradNorm` documents."""
     weighted = weights * norms
     ratios = np.divide(values, initial, out=np.ones_like(values), where=initial != 0)
     relative = ratios / ratios.mean() if ratios.mean() > 0 else np.ones_like(ratios)
     goal = weighted.mean() * relative**alpha
-    new = np.maximum(weights - learning_rate * np.sign(weighted - goal) * norms, 0.0)
-    total = new.sum()
-    return new * len(new) / total if total > 0 else np.ones_like(new)
+    return np.sign(weighted - goal) * norms
+
+
+def clip_and_renormalise(weights):
+    """The weights clipped at 0 and rescaled to sum to their count (all 1 if none is left)."""
+    clipped = np.maximum(weights, 0.0)
+    total = clipped.sum()
+    return clipped * len(clipped) / total if total > 0 else np.ones_like(clipped)

@@ -97,7 +97,7 @@ def train():
     monitor = PenaltyMonitor(probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
     # Adaptive weights: DWA on the loss (per epoch), GradNorm on the objective (per probe).
     dwa = DynamicWeightAverage("closs")
-    gradnorm = GradNorm("obj", "dense_b", learning_rate=0.01, probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
+    gradnorm = GradNorm("obj", "dense_b", probe_data=(X[:BATCH], Y[:BATCH]), every_n_batches=2)
     history = model.fit(
         X, Y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[Control(), dwa, gradnorm, monitor]
     )

@@ -269,8 +269,32 @@ class _SharedAtBatchEnd(keras.callbacks.Callback):
         self.weights.append([to_numpy(v).astype(np.float64) for v in (layer.kernel, layer.bias)])
 
 
-def _gradnorm_oracle(history, alpha, lr):
-    """The weights after each probe, from the probes' values and norms (SPEC §9)."""
+class _NumpyAdam:
+    """Adam (Kingma & Ba, 2015) with Keras' defaults: β₁ 0.9, β₂ 0.999, ε 1e-7
+    added to √v̂ in Keras' form (the bias corrections folded into the step)."""
+
+    def __init__(self, lr):
+        self.lr, self.m, self.v, self.t = lr, 0.0, 0.0, 0
+
+    def step(self, w, g):
+        self.t += 1
+        self.m = 0.9 * self.m + 0.1 * g
+        self.v = 0.999 * self.v + 0.001 * g**2
+        alpha = self.lr * np.sqrt(1 - 0.999**self.t) / (1 - 0.9**self.t)
+        return w - alpha * self.m / (np.sqrt(self.v) + 1e-7)
+
+
+class _NumpySGD:
+    def __init__(self, lr):
+        self.lr = lr
+
+    def step(self, w, g):
+        return w - self.lr * g
+
+
+def _gradnorm_oracle(history, alpha, optimizer):
+    """The weights after each probe, from the probes' values and norms (SPEC
+    §9): one optimizer step on sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, clip at 0, sum to K."""
     w, initial, out = np.ones(2), None, []
     for entry in history:
         values = np.array(list(entry["values"].values()))
@@ -279,18 +303,27 @@ def _gradnorm_oracle(history, alpha, lr):
         ratio = values / initial
         r = ratio / ratio.mean()
         big_g = w * norms
-        w = np.clip(w - lr * np.sign(big_g - big_g.mean() * r**alpha) * norms, 0.0, None)
+        w = np.clip(optimizer.step(w, np.sign(big_g - big_g.mean() * r**alpha) * norms), 0.0, None)
         w = 2 * w / w.sum()
         out.append(w)
     return np.array(out)
 
 
-def test_gradnorm_norms_and_updates_follow_the_formula():
+@pytest.mark.parametrize(
+    "make, oracle",
+    [
+        (lambda: None, lambda: _NumpyAdam(0.025)),  # the default: Adam(0.025)
+        (lambda: keras.optimizers.Adam(0.1), lambda: _NumpyAdam(0.1)),
+        (lambda: keras.optimizers.SGD(0.1), lambda: _NumpySGD(0.1)),
+    ],
+    ids=["default", "adam", "sgd"],
+)
+def test_gradnorm_norms_and_updates_follow_the_formula(make, oracle):
     keras.utils.set_random_seed(2)
     model = _trainable_model("mse")
     xp, yp = X[:4].astype(np.float64), Y[:4]
     recorder = _SharedAtBatchEnd()
-    gradnorm = GradNorm("obj", "shared", alpha=1.5, learning_rate=0.1, probe_data=(X[:4], yp))
+    gradnorm = GradNorm("obj", "shared", alpha=1.5, optimizer=make(), probe_data=(X[:4], yp))
     logs = model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[recorder, gradnorm]).history
     assert len(gradnorm.history) == 4
     for (kernel, bias), entry in zip(recorder.weights, gradnorm.history):
@@ -305,17 +338,41 @@ def test_gradnorm_norms_and_updates_follow_the_formula():
         ]
         np.testing.assert_allclose(list(entry["values"].values()), values, rtol=1e-5)
         np.testing.assert_allclose(list(entry["grad_norms"].values()), norms, rtol=1e-5)
-    expected = _gradnorm_oracle(gradnorm.history, 1.5, 0.1)
-    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-6)
+    expected = _gradnorm_oracle(gradnorm.history, 1.5, oracle())
+    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-5)
     assert not np.allclose(expected[-1], 1.0)
     # Logged per epoch: the weight in use after the epoch's last probe.
-    np.testing.assert_allclose([logs["obj/a/weight"], logs["obj/b/weight"]], expected[[1, 3]].T, rtol=1e-6)
-    np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-6)
+    np.testing.assert_allclose([logs["obj/a/weight"], logs["obj/b/weight"]], expected[[1, 3]].T, rtol=1e-5)
+    np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-5)
+
+
+def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_ones():
+    """Adam's normalisation removes the scale of gᵢ (SPEC §9): with norms
+    about 10⁶ apart, the first probe moves both weights by the learning rate
+    (the larger norm down, the smaller up: rᵢ = 1, so the goal is Ḡ), where
+    a signed step of lr·gᵢ would leave the small one where it was."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(2, name="shared")(inputs)
+    big, _ = CompositeObjective({"big": Term("l2", inputs=0), "small": Term("l2", inputs=1)}, name="obj")(
+        [h * 30.0, h * 0.03]
+    )
+    model = keras.Model(inputs, big)
+    model.compile(keras.optimizers.SGD(1e-6), "mse")
+    gradnorm = GradNorm("obj", "shared", probe_data=X[:4])
+    model.fit(X[:4], Y[:4], batch_size=4, epochs=1, verbose=0, callbacks=[gradnorm])
+    norms = list(gradnorm.history[0]["grad_norms"].values())
+    assert norms[0] > 1e5 * norms[1]
+    got = np.array(list(gradnorm.history[0]["weights"].values()))
+    g = np.array(norms)
+    raw = _NumpyAdam(0.025).step(np.ones(2), np.sign(g - g.mean()) * g)
+    np.testing.assert_allclose(got, 2 * raw / raw.sum(), rtol=1e-6)
+    np.testing.assert_allclose(got, [0.975, 1.025], rtol=1e-4)  # both moved by about the learning rate
 
 
 def test_gradnorm_on_a_composite_loss_leaves_training_as_it_would_be_with_those_weights():
     """The probe changes nothing but the weights: training with GradNorm at
-    learning_rate → 0 is training without it."""
+    a learning rate → 0 is training without it."""
     def run(callbacks):
         keras.utils.set_random_seed(3)
         model = _trainable_model(
@@ -324,7 +381,9 @@ def test_gradnorm_on_a_composite_loss_leaves_training_as_it_would_be_with_those_
         model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
         return [to_numpy(v) for v in model.trainable_variables]
 
-    gradnorm = GradNorm("composite_loss", "shared", learning_rate=1e-12, probe_data=(X[:4], Y[:4]))
+    gradnorm = GradNorm(
+        "composite_loss", "shared", optimizer=keras.optimizers.SGD(1e-12), probe_data=(X[:4], Y[:4])
+    )
     for a, b in zip(run([gradnorm]), run([])):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert len(gradnorm.history) == 4 and all(np.isfinite(list(e["grad_norms"].values())).all() for e in gradnorm.history)
@@ -349,7 +408,10 @@ def test_weighting_errors_name_the_argument():
         (lambda: DynamicWeightAverage(3), TypeError, "`target`"),
         (lambda: DynamicWeightAverage("obj", temperature=0.0), ValueError, "`temperature`"),
         (lambda: GradNorm("obj", "shared", alpha=-1.0, probe_data=X), ValueError, "`alpha`"),
-        (lambda: GradNorm("obj", "shared", learning_rate=0.0, probe_data=X), ValueError, "`learning_rate`"),
+        (lambda: GradNorm("obj", "shared", optimizer=0.1, probe_data=X), TypeError, "`optimizer`"),
+        (lambda: GradNorm("obj", "shared", optimizer=keras.optimizers.Adam, probe_data=X), TypeError, "`optimizer`"),
+        (lambda: GradNorm("obj", "shared", optimizer="no_such_optimizer", probe_data=X), ValueError, "`optimizer`"),
+        (lambda: GradNorm("obj", "shared", learning_rate=0.1, probe_data=X), TypeError, "learning_rate"),
         (lambda: GradNorm("obj", "shared", probe_data=None), TypeError, "`probe_data`"),
         (lambda: GradNorm("obj", 3, probe_data=X), TypeError, "`layer`"),
         (lambda: GradNorm("obj", "shared", probe_data=X, every_n_batches=0), ValueError, "`every_n_batches`"),
