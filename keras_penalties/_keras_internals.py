@@ -173,6 +173,30 @@ def calling_model(holds):
 # --- Optimizers ---------------------------------------------------------------
 
 
+def exclude_from_weight_decay(optimizer, variables):
+    """Makes `optimizer` (and every optimizer it wraps, through
+    `inner_optimizer`) apply no weight decay to `variables`, also after it
+    was built, keeping what the user excluded.
+
+    Relies on: `BaseOptimizer._use_weight_decay` consulting the set of
+    variable keys `_exclude_from_weight_decay` (filled by the public
+    `exclude_from_weight_decay`, which refuses a built optimizer and
+    replaces the set) and memoising its answer per key in
+    `_exclude_from_weight_decay_cache`; keys from `_var_key` (Keras 3.0 on).
+    Weight decay is decided when a step is traced (JAX, TF) or run (torch),
+    so this takes effect from the next trace or step.
+    """
+    while optimizer is not None:
+        keys = {optimizer._var_key(v) for v in variables}
+        excluded = set(getattr(optimizer, "_exclude_from_weight_decay", None) or ())
+        if not keys <= excluded:
+            optimizer._exclude_from_weight_decay = excluded | keys
+            cache = getattr(optimizer, "_exclude_from_weight_decay_cache", None)
+            if cache is not None:
+                cache.update(dict.fromkeys(keys, False))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
 def optimizer_own_variables(optimizer):
     """The variables `optimizer` itself created (its iteration count, learning
     rate and slots), not those of an optimizer it wraps.

@@ -67,7 +67,15 @@ class CompositeObjective(Composite, keras.layers.Layer):
             al., 2018, as LibMTL): a trainable log-variance sᵢ per term,
             initially 0, trained by the model's optimizer; the total is
             Σ ½·exp(−sᵢ)·termᵢ + ½·sᵢ over enabled terms, the terms' own
-            weights are ignored, and the weight reported is ½·exp(−sᵢ).
+            weights are ignored, and the weight reported is ½·exp(−sᵢ). The
+            optimizer's weight decay never applies to the sᵢ (it would pull
+            every weight towards ½).
+        weighting_learning_rate_multiplier: with `weighting="uncertainty"`,
+            a number > 0 that scales the gradients of the sᵢ (default 1), so
+            they can move faster than the model's weights under SGD-like
+            optimizers. Adam and its kin divide by the gradient's running
+            magnitude, so there it changes almost nothing: give the sᵢ a
+            larger step through the optimizer's learning rate instead.
 
     Example:
 
@@ -80,11 +88,12 @@ class CompositeObjective(Composite, keras.layers.Layer):
     (0.6931, 1.3863)
     """
 
-    def __init__(self, terms, weights=None, name=None, weighting=None, **kwargs):
+    def __init__(self, terms, weights=None, name=None, weighting=None, weighting_learning_rate_multiplier=1.0,
+                 **kwargs):
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
-        self._set_terms(terms, weights, weighting)
+        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier)
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes = weakref.WeakKeyDictionary()
@@ -161,6 +170,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         _capture.record(self, values)
         values = whole_batch_values(values, self._sums_over_samples)
         state = self._pass(training)
+        if training:
+            self._no_weight_decay_on_log_variances()
         self._add_loss_of_pass(state, self._total(values, state["weights"]))
         row = np.zeros((2, 1), "float32")
         row[_EVAL if not training else _TRAIN] = 1.0
@@ -266,7 +277,12 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     def get_config(self):
         return with_hint(
-            {**super().get_config(), "terms": serialize_terms(self.terms), "weighting": self.weighting}
+            {
+                **super().get_config(),
+                "terms": serialize_terms(self.terms),
+                "weighting": self.weighting,
+                "weighting_learning_rate_multiplier": self.weighting_learning_rate_multiplier,
+            }
         )
 
     @classmethod
@@ -365,8 +381,10 @@ class CompositeLoss(Composite, keras.losses.Loss):
             need the step count that a `CompositeObjective` layer carries:
             use one for them.
         weighting: None, or `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
-            trainable sᵢ per term, trained by the model's optimizer (see
-            `CompositeObjective`).
+            trainable sᵢ per term, trained by the model's optimizer without
+            its weight decay (see `CompositeObjective`).
+        weighting_learning_rate_multiplier: scales the gradients of the sᵢ
+            (see `CompositeObjective`).
         name, dtype: as for any `keras.losses.Loss`.
 
     Example:
@@ -381,9 +399,10 @@ class CompositeLoss(Composite, keras.losses.Loss):
     0.6862
     """
 
-    def __init__(self, terms, weights=None, name="composite_loss", dtype=None, weighting=None):
+    def __init__(self, terms, weights=None, name="composite_loss", dtype=None, weighting=None,
+                 weighting_learning_rate_multiplier=1.0):
         super().__init__(name=name, dtype=dtype)
-        self._set_terms(terms, weights, weighting)
+        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier)
         for term_name, term in self.terms.items():
             if term.scheduled:
                 raise ValueError(
@@ -436,6 +455,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
             model = _keras_internals.calling_model(_computes(self))
             if model is not None:
                 self.attach(model)
+        self._no_weight_decay_on_log_variances()
         values = ops.stack(
             [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
         )
@@ -466,6 +486,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
             "dtype": self.dtype,
             "terms": serialize_terms(self.terms),
             "weighting": self.weighting,
+            "weighting_learning_rate_multiplier": self.weighting_learning_rate_multiplier,
         })
 
     @classmethod

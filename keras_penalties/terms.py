@@ -25,7 +25,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import backend
+from keras_penalties import _keras_internals, backend
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _numerics as num
 
@@ -80,6 +80,29 @@ def check_weighting(weighting):
 def uncertainty_weights(log_variances):
     """Kendall et al. (2018), as LibMTL: term i weighs ½·exp(−sᵢ)."""
     return 0.5 * ops.exp(-log_variances)
+
+
+def check_multiplier(multiplier, weighting):
+    """`weighting_learning_rate_multiplier`: a number > 0, other than 1 only
+    with `weighting="uncertainty"`."""
+    multiplier = num.positive("weighting_learning_rate_multiplier", multiplier)
+    if multiplier != 1.0 and weighting != "uncertainty":
+        raise ValueError(
+            "`weighting_learning_rate_multiplier` scales the gradients of learned weights; it "
+            f"applies with weighting='uncertainty', not weighting={weighting!r}."
+        )
+    return float(multiplier)
+
+
+def _scaled_gradient(x, multiplier):
+    """`x` in value; `multiplier` × its gradient on the way back."""
+    if multiplier == 1.0:
+        return x
+    return multiplier * x + ops.stop_gradient((1.0 - multiplier) * x)
+
+
+def _has_optimizer(model, _):
+    return getattr(model, "optimizer", None) is not None
 
 
 def as_float32(tensors):
@@ -679,9 +702,10 @@ class Composite:
 
     step = None  # a CompositeObjective's training-step count
 
-    def _set_terms(self, terms, weights, weighting):
+    def _set_terms(self, terms, weights, weighting, multiplier=1.0):
         self.terms = build_terms(terms, weights)
         self.weighting = check_weighting(weighting)
+        self.weighting_learning_rate_multiplier = check_multiplier(multiplier, self.weighting)
         # Fixed for the life of the composite: the traced step evaluates these.
         self._schedules = [t.weight if t.scheduled else None for t in self.terms.values()]
         self._scheduled = np.array([s is not None for s in self._schedules])
@@ -743,9 +767,26 @@ class Composite:
         self._assign_entry(self.term_enabled, self._index(name), 0.0)
         self.terms[name].enabled = False
 
+    def _learned_log_variances(self):
+        """The sᵢ as the total reads them: their gradient scaled by
+        `weighting_learning_rate_multiplier`."""
+        return _scaled_gradient(self.log_variances.value, self.weighting_learning_rate_multiplier)
+
+    def _no_weight_decay_on_log_variances(self):
+        """Keeps the model's optimizer from decaying the sᵢ (decay would pull
+        every weight ½·exp(−sᵢ) towards ½). Keras hands neither a layer nor
+        a loss its model: the model is the one whose training step (a method
+        of it) is running, found among the Python frames; called where the
+        composite is computed, before the optimizer's step is traced or run."""
+        if self.log_variances is None:
+            return
+        model = _keras_internals.calling_model(_has_optimizer)
+        if model is not None:
+            _keras_internals.exclude_from_weight_decay(model.optimizer, [self.log_variances])
+
     def _weights_at(self, step):
         if self.log_variances is not None:
-            return uncertainty_weights(self.log_variances.value)
+            return uncertainty_weights(self._learned_log_variances())
         if not self._scheduled.any():
             return self.term_weights.value
         scheduled = ops.stack(
@@ -782,5 +823,5 @@ class Composite:
         weights = self.current_weights() if weights is None else weights
         total = ops.sum(values * weights * self.term_enabled.value)
         if self.log_variances is not None:
-            total = total + 0.5 * ops.sum(self.log_variances.value * self.term_enabled.value)
+            total = total + 0.5 * ops.sum(self._learned_log_variances() * self.term_enabled.value)
         return total

@@ -17,7 +17,8 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 # function in _keras_internals.py), and CPython's frame access.
 PRIVATE_ATTRIBUTES = {
     "_metrics", "_compile_loss", "_layers", "_get_own_losses", "_variables", "_trainable_variables",
-    "_track_variable", "_keras_history", "_inbound_nodes", "_getframe",
+    "_track_variable", "_keras_history", "_inbound_nodes", "_getframe", "_var_key",
+    "_exclude_from_weight_decay", "_exclude_from_weight_decay_cache",
 }
 
 

@@ -127,6 +127,72 @@ def test_composite_loss_log_variances_are_trained_without_passing_the_model(kind
     np.testing.assert_allclose(to_numpy(loaded.loss.log_variances), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
+def test_the_multiplier_scales_the_log_variances_gradient_under_sgd(policy, tmp_path):
+    """SPEC §9: `weighting_learning_rate_multiplier` m scales ∂/∂sᵢ, so SGD
+    (with momentum) moves s as at learning rate m·lr; the loss value is
+    unchanged (first epoch: s = 0), and m saves with the model."""
+    inputs = keras.Input((3,))
+    h = CompositeObjective(
+        {"a": "l2", "b": "l1"}, weighting="uncertainty", weighting_learning_rate_multiplier=4.0, name="obj"
+    )(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros", trainable=False)(h))
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.5), loss="mse")
+    history = model.fit(X, np.zeros((8, 1), "float32"), batch_size=8, epochs=3, verbose=0)
+    expected = _uncertainty_steps(lambda: _terms_of(X), 3, 0.05 * 4.0, momentum=0.5)
+    np.testing.assert_allclose(to_numpy(model.get_layer("obj").log_variances), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(history.history["loss"][0], 0.5 * _terms_of(X).sum(), rtol=1e-5)
+    loaded = save_and_load(model, tmp_path)
+    assert loaded.get_layer("obj").weighting_learning_rate_multiplier == 4.0
+
+    model = _frozen_head()
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+        weighting="uncertainty", weighting_learning_rate_multiplier=0.5,
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss=loss)
+    pred = to_numpy(model.predict(X, verbose=0))
+    model.fit(X, Y, batch_size=8, epochs=3, verbose=0)
+    expected = _uncertainty_steps(lambda: _losses(pred), 3, 0.1 * 0.5)
+    np.testing.assert_allclose(to_numpy(loss.log_variances), expected, rtol=1e-3 if policy.startswith("mixed") else 1e-5)
+
+
+@pytest.mark.parametrize("target", ["objective", "loss"])
+def test_weight_decay_never_reaches_the_log_variances(target):
+    """Under AdamW the sᵢ follow exactly what Adam gives them (Keras' own
+    Adam, same learning rate). The objective reads the inputs, so its terms
+    do not depend on the head, whose kernel AdamW does decay; the loss's
+    head is frozen (its terms would follow a decayed head)."""
+    def run(optimizer):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((3,))
+        if target == "objective":
+            h = CompositeObjective({"a": "l2", "b": "l1"}, weighting="uncertainty", name="obj")(inputs)
+            model = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+            model.compile(optimizer, loss="mse")
+            composite = model.get_layer("obj")
+        else:
+            # A trainable layer beside the frozen head, adding 0: on torch
+            # Keras' AdamW fails when it has no variable left to decay.
+            side = keras.layers.Dense(2, name="side")(inputs)
+            out = keras.layers.Dense(2, name="head", trainable=False)(inputs) + 0.0 * side
+            model = keras.Model(inputs, out)
+            composite = CompositeLoss(
+                {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+                weighting="uncertainty",
+            )
+            model.compile(optimizer, loss=composite)
+        model.fit(X, Y, batch_size=4, epochs=3, verbose=0)
+        return to_numpy(composite.log_variances), to_numpy(model.get_layer("head").kernel)
+
+    decayed_s, decayed_kernel = run(keras.optimizers.AdamW(0.05, weight_decay=0.5))
+    plain_s, plain_kernel = run(keras.optimizers.Adam(0.05))
+    assert np.abs(plain_s).min() > 0.05  # the sᵢ moved
+    np.testing.assert_allclose(decayed_s, plain_s, rtol=1e-5, atol=1e-7)
+    if target == "objective":
+        assert np.abs(decayed_kernel - plain_kernel).max() > 1e-3  # the model's weights were decayed
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
 def test_composite_loss_log_variances_under_mixed_precision(policy):
     """The head computes in half precision; s and the weights stay float32,
@@ -397,6 +463,13 @@ def test_weighting_errors_name_the_argument():
         CompositeObjective({"a": "l2"}, weighting="softmax")
     with pytest.raises(TypeError, match="`weighting`"):
         CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting=1)
+    with pytest.raises(ValueError, match="`weighting_learning_rate_multiplier`"):
+        CompositeObjective({"a": "l2"}, weighting="uncertainty", weighting_learning_rate_multiplier=0.0)
+    with pytest.raises(TypeError, match="`weighting_learning_rate_multiplier`"):
+        CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting="uncertainty",
+                      weighting_learning_rate_multiplier="fast")
+    with pytest.raises(ValueError, match="applies with weighting='uncertainty'"):
+        CompositeObjective({"a": "l2"}, weighting_learning_rate_multiplier=2.0)
     objective = CompositeObjective({"a": "l2"}, weighting="uncertainty")
     with pytest.raises(ValueError, match="learns its weights"):
         objective.set_weight("a", 2.0)
@@ -452,9 +525,12 @@ def test_weighting_survives_config_round_trips():
     objective = CompositeObjective({"a": "l2", "b": Term("l1", 0.5)}, weighting="uncertainty")
     again = CompositeObjective.from_config(objective.get_config())
     assert again.weighting == "uncertainty" and again.log_variances.shape == (2,)
-    loss = CompositeLoss({"mse": keras.losses.MeanSquaredError()}, weighting="uncertainty")
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError()}, weighting="uncertainty", weighting_learning_rate_multiplier=3.0
+    )
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
     assert again.weighting == "uncertainty" and again.log_variances.shape == (1,)
+    assert again.weighting_learning_rate_multiplier == 3.0
     fixed = CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
     fixed.set_weight("mae", 0.3)
     again = CompositeLoss.from_config(fixed.get_config())
