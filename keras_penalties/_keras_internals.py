@@ -110,6 +110,16 @@ def own_losses(layer):
 # --- Models -------------------------------------------------------------------
 
 
+def added_losses(model):
+    """The losses `model` and its sublayers added in the latest call
+    (`add_loss`, activity regularizers), not its weight regularizers'.
+
+    Relies on: `Layer._flatten_layers()` and `Layer._get_own_losses()`
+    (Keras 3.0 on).
+    """
+    return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
+
+
 def add_model_metric(model, metric):
     """Makes `metric` one of `model.metrics` after the model was built (its
     tracking is locked then), so that `fit`'s logs and JAX's metrics state
@@ -168,6 +178,18 @@ def calling_model(holds):
             return candidate
         frame = frame.f_back
     return None
+
+
+def in_train_step():
+    """Whether a model's `train_step` is among the calling frames: a loss
+    computed there is a training step's (Keras tells a loss nothing of it;
+    `evaluate` computes it in `test_step`).
+
+    Relies on: Keras' trainers computing the loss from `Trainer.train_step`
+    (or a model's override of that name), traced (JAX, TF) or run (torch)
+    in Python (Keras 3.0 on), within 64 frames; and CPython's `sys._getframe`.
+    """
+    return calling_model(lambda model, function: function == "train_step") is not None
 
 
 # --- Optimizers ---------------------------------------------------------------

@@ -39,7 +39,6 @@ from keras_penalties.terms import (
     Term,
     as_float32,
     deserialize_terms,
-    serialize_terms,
     state_variable,
     weight_state,
     whole_batch_values,
@@ -69,13 +68,26 @@ class CompositeObjective(Composite, keras.layers.Layer):
             Σ ½·exp(−sᵢ)·termᵢ + ½·sᵢ over enabled terms, the terms' own
             weights are ignored, and the weight reported is ½·exp(−sᵢ). The
             optimizer's weight decay never applies to the sᵢ (it would pull
-            every weight towards ½).
+            every weight towards ½). Or `"famo"` (Liu et al., 2023, as its
+            official code): logits ξ per term (initially 0) with an Adam of
+            their own, z = softmax(ξ); the total is Σ cᵢzᵢ·log Dᵢ over
+            enabled terms, Dᵢ = max(termᵢ, 0) + 1e-8 and c = (Σⱼ zⱼ/Dⱼ)⁻¹
+            held constant, so the gradient is Σ wᵢ·∇termᵢ with the effective
+            weights wᵢ = cᵢzᵢ/Dᵢ (they sum to 1; the weight reported). At
+            each training step ξ first takes its Adam step on the change of
+            the log-losses since the previous step. Not under a
+            tf.distribute strategy with several replicas (a `ValueError`:
+            see the README).
         weighting_learning_rate_multiplier: with `weighting="uncertainty"`,
             a number > 0 that scales the gradients of the sᵢ (default 1), so
             they can move faster than the model's weights under SGD-like
             optimizers. Adam and its kin divide by the gradient's running
             magnitude, so there it changes almost nothing: give the sᵢ a
             larger step through the optimizer's learning rate instead.
+        famo_learning_rate, famo_gamma: with `weighting="famo"`, the
+            learning rate (> 0, default 0.025) and weight decay (≥ 0,
+            default 0.01, added to the gradient as torch's Adam does) of
+            the logits' Adam: the official implementation's defaults.
 
     Example:
 
@@ -89,16 +101,18 @@ class CompositeObjective(Composite, keras.layers.Layer):
     """
 
     def __init__(self, terms, weights=None, name=None, weighting=None, weighting_learning_rate_multiplier=1.0,
-                 **kwargs):
+                 famo_learning_rate=0.025, famo_gamma=0.01, **kwargs):
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
-        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier)
+        self._set_terms(
+            terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma)
+        )
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes = weakref.WeakKeyDictionary()
         with keras.name_scope(self.name, caller=self):
-            self.term_weights, self.term_enabled, self.log_variances = weight_state(self.terms, self.weighting)
+            weight_state(self, self.terms, self.weighting)
             # 1 where set_weight replaced a schedule by a number.
             self.weight_overridden = state_variable("weight_overridden", np.zeros(len(self.terms)))
             # Training steps taken: every replica advances it alike.
@@ -172,7 +186,10 @@ class CompositeObjective(Composite, keras.layers.Layer):
         state = self._pass(training)
         if training:
             self._no_weight_decay_on_log_variances()
-        self._add_loss_of_pass(state, self._total(values, state["weights"]))
+        # FAMO's state advances once per training step (at a shared
+        # objective's first call of the step).
+        update = bool(training) and not state["losses"]
+        self._add_loss_of_pass(state, self._total(values, state["weights"], update=update))
         row = np.zeros((2, 1), "float32")
         row[_EVAL if not training else _TRAIN] = 1.0
         row = ops.convert_to_tensor(row)
@@ -183,6 +200,19 @@ class CompositeObjective(Composite, keras.layers.Layer):
         self.value_sums.assign(self.value_sums.value + row * values[None, :])
         self.value_counts.assign(self.value_counts.value + row[:, 0])
         return inputs
+
+    def _check_famo_across_replicas(self):
+        # Keras' TF trainer keeps one loss list per layer for all the replicas
+        # of a tf.distribute step, which take turns at each cross-replica sum:
+        # a sum inside the forward pass lets one replica's add_loss losses be
+        # counted by another (or cleared), whichever layer added them.
+        raise ValueError(
+            f"{self.name}: weighting='famo' on a CompositeObjective cannot run with the "
+            f"{backend.replicas_in_sync()} replicas of a tf.distribute strategy: FAMO needs the whole batch's term "
+            "values inside the forward pass, and a cross-replica sum there makes Keras' TensorFlow trainer count "
+            "one replica's add_loss losses in another's. Use a CompositeLoss with weighting='famo', JAX's "
+            "keras.distribution, or one device."
+        )
 
     def compute_output_spec(self, inputs, training=None):
         # Check what each term reads now, when the model is built.
@@ -276,14 +306,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         }
 
     def get_config(self):
-        return with_hint(
-            {
-                **super().get_config(),
-                "terms": serialize_terms(self.terms),
-                "weighting": self.weighting,
-                "weighting_learning_rate_multiplier": self.weighting_learning_rate_multiplier,
-            }
-        )
+        return with_hint({**super().get_config(), **self._composite_config()})
 
     @classmethod
     def from_config(cls, config):
@@ -324,7 +347,7 @@ class LossState(keras.layers.Layer):
 
     def __init__(self, terms, weighting, name):
         super().__init__(name=name, trainable=True, autocast=False)
-        self.term_weights, self.term_enabled, self.log_variances = weight_state(terms, weighting)
+        weight_state(self, terms, weighting)
         self.built = True
 
     def call(self, inputs):
@@ -380,11 +403,16 @@ class CompositeLoss(Composite, keras.losses.Loss):
         weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
             need the step count that a `CompositeObjective` layer carries:
             use one for them.
-        weighting: None, or `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
+        weighting: None, `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
             trainable sᵢ per term, trained by the model's optimizer without
-            its weight decay (see `CompositeObjective`).
+            its weight decay, or `"famo"`: Σ cᵢzᵢ·log Dᵢ (see
+            `CompositeObjective`).
         weighting_learning_rate_multiplier: scales the gradients of the sᵢ
             (see `CompositeObjective`).
+        famo_learning_rate, famo_gamma: with `weighting="famo"` (see
+            `CompositeObjective`; FAMO's logits move at `fit`'s training
+            steps only, not in `evaluate`). Under a tf.distribute strategy
+            it runs in a model without add_loss losses only.
         name, dtype: as for any `keras.losses.Loss`.
 
     Example:
@@ -400,9 +428,11 @@ class CompositeLoss(Composite, keras.losses.Loss):
     """
 
     def __init__(self, terms, weights=None, name="composite_loss", dtype=None, weighting=None,
-                 weighting_learning_rate_multiplier=1.0):
+                 weighting_learning_rate_multiplier=1.0, famo_learning_rate=0.025, famo_gamma=0.01):
         super().__init__(name=name, dtype=dtype)
-        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier)
+        self._set_terms(
+            terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma)
+        )
         for term_name, term in self.terms.items():
             if term.scheduled:
                 raise ValueError(
@@ -434,6 +464,9 @@ class CompositeLoss(Composite, keras.losses.Loss):
     @property
     def log_variances(self):
         return self.state.log_variances
+
+    def _weight_owner(self):
+        return self.state
 
     def attach(self, model):
         """Adds the loss's variables to `model` (once); returns whether they
@@ -470,24 +503,33 @@ class CompositeLoss(Composite, keras.losses.Loss):
                 metrics = [v for term in self.terms.values() for v in term.loss_metric_values(y_true, y_pred)]
                 tracked = ops.concatenate([values, ops.stack(metrics)])
             self.tracker.update_state(tracked)
-        total = self._total(values)
+        total = self._total(values, update=self.weighting == "famo" and _keras_internals.in_train_step())
         divisor = backend.loss_replicas()
         if divisor > 1:
             # As Keras' own losses do: the replicas' gradients are summed.
             total = total / float(divisor)
         return ops.cast(total, self.dtype)
 
+    def _check_famo_across_replicas(self):
+        # The loss is computed before Keras reads the model's add_loss
+        # losses; while this replica waits at the cross-replica sum, the next
+        # one's forward pass replaces them (Keras' TF trainer keeps one loss
+        # list per layer for all replicas). Safe only when there are none.
+        model = _keras_internals.calling_model(_computes(self))
+        if model is not None and _keras_internals.added_losses(model):
+            raise ValueError(
+                f"{self.name}: weighting='famo' cannot run with the {backend.replicas_in_sync()} replicas of a "
+                f"tf.distribute strategy in a model with add_loss losses ({model.name} has activity regularizers, "
+                "a CompositeObjective or add_loss calls): FAMO sums the term values over the replicas, and while "
+                "one replica waits for that sum Keras' TensorFlow trainer lets the next replace its add_loss "
+                "losses. Use JAX's keras.distribution, or one device."
+            )
+
     def call(self, y_true, y_pred):
         return self(y_true, y_pred)
 
     def get_config(self):
-        return with_hint({
-            "name": self.name,
-            "dtype": self.dtype,
-            "terms": serialize_terms(self.terms),
-            "weighting": self.weighting,
-            "weighting_learning_rate_multiplier": self.weighting_learning_rate_multiplier,
-        })
+        return with_hint({"name": self.name, "dtype": self.dtype, **self._composite_config()})
 
     @classmethod
     def from_config(cls, config):

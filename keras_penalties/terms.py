@@ -67,14 +67,57 @@ def check_weight(name, weight):
     return weight
 
 
-_check_weighting = num.optional(num.choice("uncertainty"))
+WEIGHTINGS = ("uncertainty", "famo")
+_check_weighting = num.optional(num.choice(*WEIGHTINGS))
 
 
 def check_weighting(weighting):
-    """`weighting`: None (the terms' own weights) or "uncertainty"."""
+    """`weighting`: None (the terms' own weights), "uncertainty" or "famo"."""
     if weighting is not None and not isinstance(weighting, str):
-        raise TypeError(f"`weighting` must be None or 'uncertainty'; got {weighting!r}.")
+        raise TypeError(f"`weighting` must be None, 'uncertainty' or 'famo'; got {weighting!r}.")
     return _check_weighting("weighting", weighting)
+
+
+def check_famo(learning_rate, gamma, weighting):
+    """`famo_learning_rate` (> 0) and `famo_gamma` (≥ 0); other than their
+    defaults only with `weighting="famo"`."""
+    learning_rate = float(num.positive("famo_learning_rate", learning_rate))
+    gamma = float(num.non_negative("famo_gamma", gamma))
+    if (learning_rate, gamma) != FAMO_DEFAULTS and weighting != "famo":
+        raise ValueError(
+            f"`famo_learning_rate` and `famo_gamma` apply with weighting='famo', not weighting={weighting!r}."
+        )
+    return learning_rate, gamma
+
+
+# FAMO (Liu et al., 2023), as its official implementation (Cranial-XIX/FAMO):
+# the logits' Adam (torch's: β 0.9, 0.999, ε 1e-8, weight decay added to the
+# gradient), its learning rate and weight decay, and the ε added to each loss.
+FAMO_DEFAULTS = (0.025, 0.01)
+_FAMO_EPSILON = 1e-8
+
+
+def famo_coefficients(logits, log_losses):
+    """FAMO's cᵢzᵢ, z = softmax(ξ), c = (Σⱼ zⱼ/Dⱼ)⁻¹: the model trains on
+    Σ cᵢzᵢ·log Dᵢ (c, z held constant), whose gradient is Σ cᵢzᵢ/Dᵢ·∇Lᵢ;
+    cᵢzᵢ/Dᵢ are the effective weights, and they sum to 1."""
+    z = ops.softmax(logits)
+    return z / ops.sum(z * ops.exp(-log_losses))
+
+
+def famo_step(logits, moments, step, previous, log_losses, learning_rate, gamma):
+    """One FAMO update of the logits ξ: the change of the log-losses since
+    the previous step, δ = log Dₜ₋₁ − log Dₜ, through softmax's Jacobian,
+    d = z ⊙ (δ − z·δ), as the logits' gradient, plus γ·ξ; then Adam step
+    `step` (≥ 1). Returns the new logits and moments (m, v stacked)."""
+    z = ops.softmax(logits)
+    delta = previous - log_losses
+    gradient = z * (delta - ops.sum(z * delta)) + gamma * logits
+    m = 0.9 * moments[0] + 0.1 * gradient
+    v = 0.999 * moments[1] + 0.001 * gradient * gradient
+    m_hat = m / (1.0 - ops.power(0.9, step))
+    v_hat = v / (1.0 - ops.power(0.999, step))
+    return logits - learning_rate * m_hat / (ops.sqrt(v_hat) + 1e-8), ops.stack([m, v])
 
 
 def uncertainty_weights(log_variances):
@@ -678,17 +721,27 @@ def deserialize_terms(config):
 # ---------------------------------------------------------------- Composite
 
 
-def weight_state(terms, weighting):
-    """The variables of a composite's weights, created in the caller's name
-    scope: each term's weight (0 for a scheduled one: the schedule gives it),
-    its enabled flag and, with `weighting="uncertainty"`, the trainable
-    log-variances sᵢ (initially 0, trained by the model's optimizer)."""
-    term_weights = state_variable("term_weights", [0.0 if t.scheduled else t.weight for t in terms.values()])
-    term_enabled = state_variable("term_enabled", [float(t.enabled) for t in terms.values()])
-    log_variances = None
+def weight_state(owner, terms, weighting):
+    """Creates the variables of a composite's weights on `owner` (a layer),
+    in the caller's name scope: each term's weight (0 for a scheduled one:
+    the schedule gives it) and enabled flag; with `weighting="uncertainty"`
+    the trainable log-variances sᵢ (initially 0, trained by the model's
+    optimizer); with `weighting="famo"` FAMO's logits ξ (initially 0), their
+    Adam moments, the previous step's log-losses, the count of training
+    steps and the latest effective weights (1 before the first step)."""
+    n = len(terms)
+    owner.term_weights = state_variable("term_weights", [0.0 if t.scheduled else t.weight for t in terms.values()])
+    owner.term_enabled = state_variable("term_enabled", [float(t.enabled) for t in terms.values()])
+    owner.log_variances = None
     if weighting == "uncertainty":
-        log_variances = state_variable("log_variances", np.zeros(len(terms)), trainable=True, aggregation="mean")
-    return term_weights, term_enabled, log_variances
+        owner.log_variances = state_variable("log_variances", np.zeros(n), trainable=True, aggregation="mean")
+    owner.famo_logits = None
+    if weighting == "famo":
+        owner.famo_logits = state_variable("famo_logits", np.zeros(n))
+        owner.famo_moments = state_variable("famo_moments", np.zeros((2, n)))
+        owner.famo_previous = state_variable("famo_previous", np.zeros(n))
+        owner.famo_steps = state_variable("famo_steps", 0.0)
+        owner.famo_last_weights = state_variable("famo_last_weights", np.ones(n))
 
 
 class Composite:
@@ -702,10 +755,21 @@ class Composite:
 
     step = None  # a CompositeObjective's training-step count
 
-    def _set_terms(self, terms, weights, weighting, multiplier=1.0):
+    def _composite_config(self):
+        """The config entries both composites share."""
+        return {
+            "terms": serialize_terms(self.terms),
+            "weighting": self.weighting,
+            "weighting_learning_rate_multiplier": self.weighting_learning_rate_multiplier,
+            "famo_learning_rate": self.famo_learning_rate,
+            "famo_gamma": self.famo_gamma,
+        }
+
+    def _set_terms(self, terms, weights, weighting, multiplier=1.0, famo=FAMO_DEFAULTS):
         self.terms = build_terms(terms, weights)
         self.weighting = check_weighting(weighting)
         self.weighting_learning_rate_multiplier = check_multiplier(multiplier, self.weighting)
+        self.famo_learning_rate, self.famo_gamma = check_famo(*famo, self.weighting)
         # Fixed for the life of the composite: the traced step evaluates these.
         self._schedules = [t.weight if t.scheduled else None for t in self.terms.values()]
         self._scheduled = np.array([s is not None for s in self._schedules])
@@ -784,7 +848,55 @@ class Composite:
         if model is not None:
             _keras_internals.exclude_from_weight_decay(model.optimizer, [self.log_variances])
 
+    def _famo(self, values, update):
+        """FAMO's total Σ cᵢzᵢ·log Dᵢ over the enabled terms for this step's
+        unweighted `values` (Dᵢ = max(Lᵢ, 0) + ε: Lᵢ,min is 0); with `update`
+        (once per training step) the logits first move by the change of the
+        log-losses since the previous training step, and the state advances."""
+        state = self._weight_owner()
+        values_in_sync = ops.stop_gradient(values)
+        replicas = backend.replicas_in_sync()
+        if replicas > 1:
+            self._check_famo_across_replicas()
+            # Each replica's values have the whole batch's as their mean.
+            (values_in_sync,) = backend.sum_over_replicas([values_in_sync])
+            values_in_sync = values_in_sync / float(replicas)
+        log_losses = ops.log(ops.maximum(values_in_sync, 0.0) + _FAMO_EPSILON)
+        logits = state.famo_logits.value
+        if update:
+            steps = state.famo_steps.value
+            new_logits, moments = famo_step(
+                logits, state.famo_moments.value, ops.maximum(steps, 1.0), state.famo_previous.value,
+                log_losses, self.famo_learning_rate, self.famo_gamma,
+            )
+            seen = steps > 0.5  # no previous step to compare with at the first
+            logits = ops.where(seen, new_logits, logits)
+            state.famo_logits.assign(logits)
+            state.famo_moments.assign(ops.where(seen, moments, state.famo_moments.value))
+            state.famo_previous.assign(log_losses)
+            state.famo_steps.assign(steps + 1.0)
+        coefficients = ops.stop_gradient(famo_coefficients(logits, log_losses))
+        weights = coefficients * ops.exp(-log_losses)
+        if update:
+            state.famo_last_weights.assign(weights)
+        # The value is the whole batch's; the gradient is Σ wᵢ·∇Lᵢ of this
+        # replica's own values, which Keras adds up to the whole batch's.
+        own = values - ops.stop_gradient(values)
+        return ops.sum((coefficients * log_losses + weights * own) * self.term_enabled.value)
+
+    def _check_famo_across_replicas(self):
+        """Raises where FAMO cannot run with the replicas of a tf.distribute
+        step (the composites say where)."""
+
+    def _weight_owner(self):
+        """Where the weight variables live: the composite (a method, not a
+        property: Keras' saving walks properties, and this is the object
+        itself), or a CompositeLoss's LossState."""
+        return self
+
     def _weights_at(self, step):
+        if self.weighting == "famo":
+            return self._weight_owner().famo_last_weights.value
         if self.log_variances is not None:
             return uncertainty_weights(self._learned_log_variances())
         if not self._scheduled.any():
@@ -808,7 +920,8 @@ class Composite:
 
     def weights_in_use(self):
         """Each term's weight for the next step as a float (a disabled term's
-        too): `{name: weight}`; ½·exp(−sᵢ) under uncertainty weighting."""
+        too): `{name: weight}`; ½·exp(−sᵢ) under uncertainty weighting; under
+        FAMO the effective weights of the latest training step."""
         weights = ops.convert_to_numpy(self.current_weights())
         return {name: float(weights[i]) for i, name in enumerate(self.terms)}
 
@@ -817,10 +930,14 @@ class Composite:
         weight, or 0 while disabled."""
         return self.current_weights() * self.term_enabled.value
 
-    def _total(self, values, weights=None):
+    def _total(self, values, weights=None, update=False):
         """Σ wᵢ·valueᵢ over the enabled terms (`weights`: the current ones by
-        default), plus Σ ½·sᵢ over them under uncertainty weighting."""
-        weights = self.current_weights() if weights is None else weights
+        default), plus Σ ½·sᵢ over them under uncertainty weighting; under
+        FAMO Σ cᵢzᵢ·log Dᵢ (see `_famo`; the state advances with `update`)."""
+        if self.weighting == "famo":
+            return self._famo(values, update)
+        if weights is None:
+            weights = self.current_weights()
         total = ops.sum(values * weights * self.term_enabled.value)
         if self.log_variances is not None:
             total = total + 0.5 * ops.sum(self._learned_log_variances() * self.term_enabled.value)

@@ -18,7 +18,7 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 PRIVATE_ATTRIBUTES = {
     "_metrics", "_compile_loss", "_layers", "_get_own_losses", "_variables", "_trainable_variables",
     "_track_variable", "_keras_history", "_inbound_nodes", "_getframe", "_var_key",
-    "_exclude_from_weight_decay", "_exclude_from_weight_decay_cache",
+    "_exclude_from_weight_decay", "_exclude_from_weight_decay_cache", "_flatten_layers",
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from keras_penalties import CompositeObjective, Term
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor
 from keras_penalties.losses import CompositeLoss
-from tests.testing import save_and_load, to_numpy
+from tests.testing import grad, save_and_load, to_numpy
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(8, 3)).astype("float32")
@@ -210,6 +210,118 @@ def test_composite_loss_log_variances_under_mixed_precision(policy):
     # predict's and the training step's half-precision matmuls may round
     # differently (XLA fuses the two programs differently): 1e-4 seen in bf16.
     np.testing.assert_allclose(to_numpy(loss.log_variances), expected, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- FAMO
+
+
+def _famo_oracle(losses_per_step, lr=0.025, gamma=0.01):
+    """FAMO (Liu et al., 2023, Algorithm 1; the official code's torch Adam
+    with L2 weight decay), transcribed: before each step after the first,
+    ξ takes an Adam step on J_softmax(ξ)ᵀ(log Dₜ₋₁ − log Dₜ) + γξ; the
+    step's weights are cᵢzᵢ/Dᵢ, c = 1/Σⱼ zⱼ/Dⱼ. Returns (weights per step, ξ)."""
+    xi, m, v, t, previous, weights = np.zeros(2), np.zeros(2), np.zeros(2), 0, None, []
+    for losses in losses_per_step:
+        log_d = np.log(losses + 1e-8)
+        if previous is not None:
+            t += 1
+            z = np.exp(xi) / np.exp(xi).sum()
+            delta = previous - log_d
+            g = z * delta - z * (z @ delta) + gamma * xi
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g**2
+            xi = xi - lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        previous = log_d
+        z = np.exp(xi) / np.exp(xi).sum()
+        weights.append((z / np.exp(log_d)) / (z / np.exp(log_d)).sum())
+    return np.array(weights), xi
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"], indirect=True)
+def test_famo_on_an_objective_follows_the_algorithm(policy, tmp_path):
+    """The objective reads the inputs, whose batches (of 2) give known term
+    values 100× apart in scale; the head outputs 0 for targets 0, so the
+    loss is Σ wᵢ·Lᵢ alone."""
+    inputs = keras.Input((3,))
+    h = CompositeObjective(
+        {"a": "l2", "b": Term("l1", 0.01)}, weighting="famo", famo_learning_rate=0.2, name="obj"
+    )(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False)(h))
+    model.compile(keras.optimizers.SGD(0.1), loss="mse")
+    xs = X * np.array([10.0, 10.0, 10.0], "float32")
+    history = model.fit(xs, np.zeros((8, 1), "float32"), batch_size=2, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[PenaltyMonitor()])
+    values = [_terms_of(xs[i:i + 2]) for i in range(0, 8, 2)] * 2
+    weights, xi = _famo_oracle(values, lr=0.2)
+    objective = model.get_layer("obj")
+    np.testing.assert_allclose(to_numpy(objective.famo_logits), xi, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(list(objective.weights_in_use().values()), weights[-1], rtol=1e-4)
+    # The model trains on Σ cᵢzᵢ·log Dᵢ, cᵢzᵢ = wᵢ·Dᵢ, with this step's
+    # weights (the Term weights are FAMO's to set).
+    log_d = np.log(np.array(values) + 1e-8)
+    step_losses = np.sum(weights * np.exp(log_d) * log_d, axis=1)
+    np.testing.assert_allclose(history.history["loss"], [step_losses[:4].mean(), step_losses[4:].mean()], rtol=1e-4)
+    np.testing.assert_allclose(history.history["obj/a/weight"][-1], weights[-1][0], rtol=1e-4)
+    assert abs(xi[0] - xi[1]) > 0.05  # the logits moved
+    loaded = save_and_load(model, tmp_path)
+    again = loaded.get_layer("obj")
+    assert (again.weighting, again.famo_learning_rate, again.famo_gamma) == ("famo", 0.2, 0.01)
+    np.testing.assert_allclose(to_numpy(again.famo_logits), xi, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(again.famo_steps), 8)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
+def test_famo_on_a_composite_loss_follows_the_algorithm_and_evaluate_leaves_it(policy, tmp_path):
+    model = _frozen_head()
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo"
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss=loss)
+    pred = to_numpy(model.predict(X, verbose=0))
+    model.fit(X, Y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+    model.evaluate(X, Y, batch_size=4, verbose=0)  # no training step: FAMO's state stays
+    values = []
+    for _ in range(3):
+        for i in (0, 4):
+            p, y = pred[i:i + 4].astype(np.float64), Y[i:i + 4].astype(np.float64)
+            values.append(np.array([np.mean((p - y) ** 2), np.mean(np.abs(p - y))]))
+    weights, xi = _famo_oracle(values)
+    rtol = 1e-2 if policy.startswith("mixed") else 1e-4
+    np.testing.assert_allclose(to_numpy(loss.state.famo_logits), xi, rtol=rtol, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(loss.state.famo_steps), 6)
+    np.testing.assert_allclose(list(loss.weights_in_use().values()), weights[-1], rtol=rtol)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Skipping variable loading")
+        loaded = save_and_load(model, tmp_path)
+    np.testing.assert_allclose(to_numpy(loaded.loss.state.famo_logits), to_numpy(loss.state.famo_logits))
+
+
+def test_famo_gradient_is_the_effective_weights_times_each_loss_gradient():
+    """∇ Σ cᵢzᵢ·log Dᵢ = Σ wᵢ·∇Lᵢ: against NumPy's gradients of mse and mae
+    at the first step (z uniform, wᵢ = (1/Dᵢ)/Σⱼ 1/Dⱼ)."""
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo"
+    )
+    y = Y[:4].astype(np.float64)
+    pred = (X[:4] @ KERNEL).astype(np.float64) + 0.3
+    gradient = to_numpy(grad(lambda p: loss(Y[:4], p), pred.astype("float32")))
+    d = np.array([np.mean((pred - y) ** 2), np.mean(np.abs(pred - y))])
+    w = (1 / d) / np.sum(1 / d)
+    expected = w[0] * 2 * (pred - y) / pred.size + w[1] * np.sign(pred - y) / pred.size
+    np.testing.assert_allclose(gradient, expected, rtol=1e-5, atol=1e-7)
+    value = to_numpy(loss(Y[:4], pred.astype("float32")))
+    np.testing.assert_allclose(value, np.sum(w * d * np.log(d + 1e-8)), rtol=1e-5)
+
+
+def test_famo_errors_name_the_argument():
+    with pytest.raises(ValueError, match="`famo_learning_rate`"):
+        CompositeObjective({"a": "l2"}, weighting="famo", famo_learning_rate=0.0)
+    with pytest.raises(ValueError, match="`famo_gamma`"):
+        CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting="famo", famo_gamma=-1.0)
+    with pytest.raises(ValueError, match="apply with weighting='famo'"):
+        CompositeObjective({"a": "l2"}, weighting="uncertainty", famo_gamma=0.1)
+    objective = CompositeObjective({"a": "l2"}, weighting="famo")
+    with pytest.raises(ValueError, match="learns its weights"):
+        objective.set_weight("a", 2.0)
 
 
 # ---------------------------------------------------------------- live CompositeLoss weights
