@@ -340,7 +340,7 @@ class TermMeans(keras.metrics.Metric):
 class LossState(keras.layers.Layer):
     """The variables of a `CompositeLoss`: its term weights and enabled flags
     (float32, never autocast) and, with `weighting="uncertainty"`, the
-    trainable log-variances. Keras gives a loss no model, so the loss adds this
+    trainable log-variances, or with `weighting="famo"` FAMO's state. Keras gives a loss no model, so the loss adds this
     layer to the model that compiles it (see `CompositeLoss.attach`); its
     variables then travel in the model's training state like a layer's, and
     `.keras` files save them with the loss."""

@@ -750,8 +750,9 @@ class Composite:
     weighted total) and the keys they report.
 
     A subclass calls `_set_terms` first, then provides `term_weights`,
-    `term_enabled` and `log_variances` (from `weight_state`) and, where
-    weights may be schedules, `step` and `weight_overridden`."""
+    `term_enabled` and `log_variances` (from `weight_state`), FAMO's state
+    on `_weight_owner()` and, where weights may be schedules, `step` and
+    `weight_overridden`."""
 
     step = None  # a CompositeObjective's training-step count
 
@@ -854,7 +855,8 @@ class Composite:
         (once per training step) the logits first move by the change of the
         log-losses since the previous training step, and the state advances."""
         state = self._weight_owner()
-        values_in_sync = ops.stop_gradient(values)
+        frozen = ops.stop_gradient(values)
+        values_in_sync = frozen
         replicas = backend.replicas_in_sync()
         if replicas > 1:
             self._check_famo_across_replicas()
@@ -881,7 +883,7 @@ class Composite:
             state.famo_last_weights.assign(weights)
         # The value is the whole batch's; the gradient is Σ wᵢ·∇Lᵢ of this
         # replica's own values, which Keras adds up to the whole batch's.
-        own = values - ops.stop_gradient(values)
+        own = values - frozen
         return ops.sum((coefficients * log_losses + weights * own) * self.term_enabled.value)
 
     def _check_famo_across_replicas(self):
