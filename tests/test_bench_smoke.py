@@ -2,10 +2,15 @@
 This is not a benchmark: nothing here is timed against anything."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from bench import run, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("index", range(len(run.CASES)), ids=[case.name for case in run.CASES])
@@ -75,3 +80,16 @@ def test_multitask_runs_at_tiny_size():
         assert set(row["relative"]) == set(multitask.TASKS) and row["step_seconds"] > 0
         assert all(w >= 0 for w in row["final_weights"].values())
     assert multitask.markdown(report).startswith("# Multi-task weighting")
+
+
+def test_the_summary_imports_only_the_framework_of_its_results():
+    # `make bench BACKEND=jax` then `python -m bench.summary` with no KERAS_BACKEND:
+    # Keras' default backend is TensorFlow, which a JAX user may not have.
+    script = (
+        "import sys\nfrom bench import summary\nsummary.table()\n"
+        "print(sorted(m for m in ('jax', 'tensorflow', 'torch') if m in sys.modules))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "['jax']"  # the first backend with results
