@@ -85,7 +85,7 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         beta: β in (0, 1) (for `"js"`).
         temperature: T > 0 dividing both logits.
         scale_by_temperature_squared: multiply by T² (the default).
-        chunk_size: None, or rows per chunk (see `kl_divergence`); in a
+        chunk_size: None, "auto", or rows per chunk (see `kl_divergence`); in a
             fused `Distiller` the Distiller's `chunk_size` is used when this
             is None.
         name: the name logged as `"distillation/<name>"` by `Distiller`.
@@ -309,7 +309,7 @@ class Distiller(keras.distillation.Distiller):
             name) that produces its output, in a functional (or Sequential)
             student.
         teacher_head: None, or the teacher's.
-        chunk_size: rows per chunk for the fused losses (and for any
+        chunk_size: rows per chunk, or "auto" (see `kl_divergence`), for the fused losses (and for any
             `LogitsDivergence` without its own).
     """
 
@@ -331,7 +331,7 @@ class Distiller(keras.distillation.Distiller):
         if distillation_loss_weights is not None and not isinstance(distillation_loss_weights, (list, tuple)):
             distillation_loss_weights = [distillation_loss_weights]
         super().__init__(teacher, student, losses, distillation_loss_weights, student_loss_weight, name=name, **kwargs)
-        self.chunk_size = num.optional(num.positive_integer)("chunk_size", chunk_size)
+        self.chunk_size = num.chunk_size("chunk_size", chunk_size)
         self.head = None if head is None else _Head(student, head, "head")
         self.teacher_head = None if teacher_head is None else _Head(teacher, teacher_head, "teacher_head")
         if self.head or self.teacher_head:

@@ -121,6 +121,8 @@ def test_logits_divergence_config_round_trip():
     loss = LogitsDivergence("kl", direction="reverse", beta=0.25, temperature=3.0, scale_by_temperature_squared=False, chunk_size=64, name="rkl")
     rebuilt = assert_config_round_trip(loss, keras.saving.deserialize_keras_object, "keras_penalties")
     assert (rebuilt.direction, rebuilt.temperature, rebuilt.chunk_size, rebuilt.name) == ("reverse", 3.0, 64, "rkl")
+    auto = assert_config_round_trip(LogitsDivergence(chunk_size="auto"), keras.saving.deserialize_keras_object, "keras_penalties")
+    assert auto.chunk_size == "auto"
 
 
 @pytest.mark.parametrize(

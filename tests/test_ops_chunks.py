@@ -213,3 +213,26 @@ def test_under_jax_jit():
     value, (gp, gq) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(P_LOGITS, Q_LOGITS)
     np.testing.assert_allclose(float(value), float(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, direction="reverse", mask=MASK)), rtol=1e-5)
     np.testing.assert_allclose(gq, grad(lambda t: P.kl_divergence(P_LOGITS, t, from_logits=True, direction="reverse", mask=MASK), Q_LOGITS), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["kl_reverse_t", "js", "entropy"])
+def test_auto_chunks_take_the_backends_element_budget_over_the_classes(name, monkeypatch):
+    from keras_penalties import backend
+    from keras_penalties.ops import _numerics as num
+
+    # The measured budgets: 16 M elements on JAX, 4 M on TF and torch.
+    expected = {"jax": 16 * 2**20, "tensorflow": 4 * 2**20, "torch": 4 * 2**20}[BACKEND]
+    assert num.chunk_rows("auto", 32000, 8192) == expected // 32000
+    assert num.chunk_rows("auto", 128256, 4096) == expected // 128256
+    assert num.chunk_rows("auto", 10**9, 8) == 1 and num.chunk_rows("auto", 7, 12) == 12
+    assert num.chunk_rows(64, 7, 12) == 64
+    # 5 rows of 7 classes: a partial last chunk of the 12 rows; the values
+    # and gradients are those of the oracle and of the unchunked call.
+    monkeypatch.setattr(backend, "CHUNK_ELEMENTS", 35)
+    ours, oracle = FUNCTIONS[name]
+    got = to_numpy(ours(P_LOGITS, Q_LOGITS, chunk_size="auto", mask=MASK))
+    np.testing.assert_allclose(got, _expected(oracle(P_LOGITS, Q_LOGITS), "mean", MASK), rtol=1e-5, atol=1e-6)
+    p = ops.convert_to_tensor(P_LOGITS)
+    auto = grad(lambda q: ours(p, q, chunk_size="auto", mask=MASK), Q_LOGITS)
+    whole = grad(lambda q: ours(p, q, mask=MASK), Q_LOGITS)
+    np.testing.assert_allclose(auto, whole, rtol=1e-5, atol=1e-7)

@@ -45,6 +45,7 @@ ERRORS = {
     "chunk_size_zero": (lambda: P.kl_divergence(U, U, chunk_size=0), ValueError, r"`chunk_size` must be an int >= 1; got 0"),
     "chunk_size_negative": (lambda: P.entropy(U, chunk_size=-4), ValueError, r"`chunk_size` must be an int >= 1"),
     "chunk_size_float": (lambda: P.js_divergence(U, U, chunk_size=512.0), TypeError, r"`chunk_size` must be an int"),
+    "chunk_size_string": (lambda: P.kl_divergence(U, U, chunk_size="fast"), ValueError, r"`chunk_size` must be None, 'auto' or an int >= 1; got 'fast'"),
     "chunk_size_bool": (lambda: P.entropy(U, chunk_size=True), TypeError, r"`chunk_size` must be an int"),
     "target_zero": (lambda: P.kl_sparsity(U, target=0.0), ValueError, r"`target` must be in the open interval \(0, 1\)"),
     "target_one": (lambda: P.kl_sparsity(U, target=1.0), ValueError, r"`target`"),

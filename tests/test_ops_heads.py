@@ -488,3 +488,20 @@ def test_under_jax_jit_with_a_frozen_teacher():
     assert not np.asarray(grads[2]).any()  # the teacher got no gradient
     expected_k = grad(lambda k: P.kl_divergence(TEACHER_LOGITS.astype("float32"), _materialised(STUDENT_HIDDEN, k, BIAS), from_logits=True, mask=MASK), KERNEL)
     np.testing.assert_allclose(np.asarray(grads[1]), expected_k, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["kl_reverse", "cross_entropy_smoothed"])
+def test_auto_chunks_from_hidden_states_take_the_head_budget(name, monkeypatch):
+    from keras_penalties import backend
+    from keras_penalties.ops import _numerics as num
+
+    # The measured budgets from hidden states: about 64 rows of 128256 on JAX
+    # and torch, 128 on TensorFlow.
+    budget = {"jax": 8 * 2**20, "tensorflow": 16 * 2**20, "torch": 8 * 2**20}[BACKEND]
+    assert num.chunk_rows("auto", 128256, 2048, heads=True) == budget // 128256
+    # 4 rows of 11 classes: a partial last chunk of the 10 positions.
+    monkeypatch.setattr(backend, "HEAD_CHUNK_ELEMENTS", 4 * V)
+    auto = grads(lambda *x: _loss(name, True, "auto", MASK, *x), *INPUTS.values())
+    expected = grads(lambda *x: _loss(name, False, None, MASK, *x), *INPUTS.values())
+    for wrt, g, e in zip(INPUTS, auto, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)

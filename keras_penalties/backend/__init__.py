@@ -21,6 +21,10 @@ organises `keras/src/backend/`:
   for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
   `autograd.Function`), so nothing is recomputed and no chunk's temporaries
   outlive it.
+- `CHUNK_ELEMENTS`, `HEAD_CHUNK_ELEMENTS`: elements per chunk for
+  `chunk_size="auto"` (rows = elements // classes), of formed logits
+  (`map_chunks`) and of logits formed from hidden states (`chunked_sum`):
+  the fastest measured on the benchmark machine (bench/results/README.md).
 - `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
   `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
@@ -58,8 +62,12 @@ project = _module.project
 sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution
+CHUNK_ELEMENTS = _module.CHUNK_ELEMENTS
+HEAD_CHUNK_ELEMENTS = _module.HEAD_CHUNK_ELEMENTS
 
 __all__ = [
+    "CHUNK_ELEMENTS",
+    "HEAD_CHUNK_ELEMENTS",
     "chunked_sum",
     "gradients",
     "loss_replicas",

@@ -18,6 +18,12 @@ from keras_penalties.backend._common import (  # noqa: F401
     sum_over_replicas,
 )
 
+# chunk_size="auto" (bench/results/README.md): 512 rows of a 32000
+# vocabulary and 128 of 128256 were the fastest chunks of logits measured
+# here (512 rows of 128256 made entropy twice as slow); 64 rows of 128256
+# the fastest from hidden states.
+CHUNK_ELEMENTS = 16 * 2**20
+HEAD_CHUNK_ELEMENTS = 8 * 2**20
 
 def gradients(fn, tensors):
     return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))

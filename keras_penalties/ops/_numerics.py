@@ -138,6 +138,28 @@ def positive_integer(name, value):
     return value
 
 
+def chunk_size(name, value):
+    """None, "auto", or an int >= 1 (rows per chunk)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"`{name}` must be None, 'auto' or an int >= 1; got {value!r}.")
+    return positive_integer(name, value)
+
+
+def chunk_rows(chunk_size, classes, n, heads=False):
+    """Rows per chunk: `chunk_size`, or for "auto" the backend's measured
+    elements per chunk (`backend.CHUNK_ELEMENTS`, or `HEAD_CHUNK_ELEMENTS`
+    for logits formed from hidden states) over the number of `classes`, at
+    least 1 and at most the `n` rows when those are known. Classes known
+    only at run time count as 32768."""
+    if chunk_size != "auto":
+        return chunk_size
+    budget = backend.HEAD_CHUNK_ELEMENTS if heads else backend.CHUNK_ELEMENTS
+    rows = max(1, budget // (classes if isinstance(classes, int) else 32768))
+    return min(rows, max(n, 1)) if isinstance(n, int) else rows
+
+
 def optional(check):
     def check_optional(name, value):
         return None if value is None else check(name, value)
@@ -409,6 +431,7 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
     classes = shape[-1]
     rows = [ops.reshape(t, (-1, classes)) for t in tensors]
     n = ops.shape(rows[0])[0]
+    chunk_size = chunk_rows(chunk_size, classes, n)
     chunks = at_least_one((n + chunk_size - 1) // chunk_size)
     pad = chunks * chunk_size - n
     if not isinstance(pad, int) or pad:

@@ -172,6 +172,8 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
         return values_fn(*inputs, axis=-1, **extra)
 
     n = ops.shape((heads[0][0] if heads else rows[0]))[0]
+    classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
+    chunk_size = num.chunk_rows(chunk_size, classes, n, heads=True)
     weights = _row_weights(mask, weights, reduction, n, compute)
     chunks = num.at_least_one((n + chunk_size - 1) // chunk_size)
     pad = chunks * chunk_size - n

@@ -86,7 +86,7 @@ def linear(hidden, kernel, bias=None, *, transpose_kernel=False):
     temperature=num.positive,
     axis=num.integer,
     reduction=num.REDUCTION,
-    chunk_size=num.optional(num.positive_integer),
+    chunk_size=num.chunk_size,
 )
 def cross_entropy(
     labels,
@@ -125,7 +125,7 @@ def cross_entropy(
         temperature: T > 0 dividing the logits.
         axis: the class axis.
         reduction: `"mean"` (default), `"sum"` or `"none"`.
-        chunk_size: None, or rows per chunk (as in `kl_divergence`).
+        chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`).
 
     Example:
 
