@@ -374,3 +374,48 @@ def wgan_gp_step(dims, hidden, batch, gp_weight, lr, seed=0):
         return loss
 
     return step
+
+
+def input_gradient(fn, x):
+    """∂Σfn(x)/∂x, kept differentiable: what a Keras user writes by hand for a
+    gradient penalty inside `compute_loss` (jax.grad, a GradientTape,
+    torch.autograd.grad with create_graph)."""
+    if BACKEND == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        return jax.grad(lambda x: jnp.sum(fn(x)))(x)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(fn(x))
+        return tape.gradient(y, x)
+    import torch
+
+    x = x.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    return g
+
+
+def add_noise(grads, sigma, step):
+    """g + σ·N(0, 1) for each gradient, drawn the backend's own way: on JAX a
+    key folded from the step and split per tensor (optax's add_noise), on TF
+    a stateless draw seeded by (tensor, step), on torch `randn_like`."""
+    if BACKEND == "jax":
+        import jax
+
+        keys = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(0), step), len(grads))
+        return [g + sigma * jax.random.normal(k, g.shape, g.dtype) for k, g in zip(keys, grads)]
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.cast(step, tf.int64)
+        return [
+            g + tf.cast(sigma, g.dtype) * tf.random.stateless_normal(tf.shape(g), tf.stack([tf.constant(i, tf.int64), step]), dtype=g.dtype)
+            for i, g in enumerate(grads)
+        ]
+    import torch
+
+    return [g + sigma * torch.randn_like(g) for g in grads]
