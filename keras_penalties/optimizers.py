@@ -21,6 +21,9 @@ contains one of them, as Keras' `exclude_from_weight_decay(var_names=...)`.
 A variable with a `None` gradient is left alone by every wrapper.
 """
 
+import itertools
+import math
+
 import keras
 from keras import ops
 
@@ -341,12 +344,22 @@ class GradientNoise(_GradientTransform):
             return grads
         t = ops.cast(self.inner_optimizer.iterations, "float32")
         sigma = self.stddev * ops.power(1.0 + t, -self.decay / 2.0)
-        return [
-            g if g is None else g + ops.cast(sigma, g.dtype) * keras.random.normal(
-                ops.shape(g), dtype=g.dtype, seed=self._seed_generator
-            )
-            for g in grads
-        ]
+        # One draw per dtype for every gradient, split into them: a draw
+        # per variable pays the seed generator's step each time (and on
+        # torch a fresh torch.Generator seeded from it).
+        groups = {}
+        for i, g in enumerate(grads):
+            if g is not None:
+                groups.setdefault(keras.backend.standardize_dtype(g.dtype), []).append(i)
+        out = list(grads)
+        for dtype, indices in groups.items():
+            sizes = [math.prod(grads[i].shape) for i in indices]
+            noise = keras.random.normal((sum(sizes),), dtype=dtype, seed=self._seed_generator)
+            pieces = ops.split(noise, list(itertools.accumulate(sizes[:-1]))) if len(sizes) > 1 else [noise]
+            scale = ops.cast(sigma, dtype)
+            for i, piece in zip(indices, pieces):
+                out[i] = grads[i] + scale * ops.reshape(piece, grads[i].shape)
+        return out
 
     def _options(self):
         return {"stddev": self.stddev, "decay": self.decay, "seed": self.seed}

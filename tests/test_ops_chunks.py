@@ -236,3 +236,15 @@ def test_auto_chunks_take_the_backends_element_budget_over_the_classes(name, mon
     auto = grad(lambda q: ours(p, q, chunk_size="auto", mask=MASK), Q_LOGITS)
     whole = grad(lambda q: ours(p, q, mask=MASK), Q_LOGITS)
     np.testing.assert_allclose(auto, whole, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="retain_graph is torch's: the chunks' rows are scaled in place by the one backward pass")
+def test_a_second_backward_pass_through_torch_chunks_says_so():
+    import torch
+
+    q = torch.tensor(Q_LOGITS, requires_grad=True)
+    value = P.kl_divergence(torch.tensor(P_LOGITS), q, from_logits=True, chunk_size=5)
+    (first,) = torch.autograd.grad(value, q, retain_graph=True)
+    np.testing.assert_allclose(to_numpy(first), grad(lambda x: P.kl_divergence(P_LOGITS, x, from_logits=True), Q_LOGITS), rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="can be taken once per forward pass"):
+        torch.autograd.grad(value, q)

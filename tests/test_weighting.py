@@ -11,7 +11,7 @@ import pytest
 from keras_penalties import CompositeObjective, Term
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor
 from keras_penalties.losses import CompositeLoss
-from tests.testing import grad, save_and_load, to_numpy
+from tests.testing import assert_finite, grad, save_and_load, to_numpy
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(8, 3)).astype("float32")
@@ -310,6 +310,21 @@ def test_famo_gradient_is_the_effective_weights_times_each_loss_gradient():
     np.testing.assert_allclose(gradient, expected, rtol=1e-5, atol=1e-7)
     value = to_numpy(loss(Y[:4], pred.astype("float32")))
     np.testing.assert_allclose(value, np.sum(w * d * np.log(d + 1e-8)), rtol=1e-5)
+
+
+def test_famo_on_an_empty_batch_is_finite_and_near_zero():
+    """Every Dᵢ = 0: the weights are equal, c = 1/Σⱼ zⱼ/(Dⱼ + ε) = ε, and
+    the value Σ c·zᵢ·log(Dᵢ + ε) = ε·ln ε ≈ −1.8e-7 (SPEC §9's formula at
+    L = 0, not exactly 0), with a finite gradient."""
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo"
+    )
+    empty = np.zeros((0, 2), "float32")
+    value = to_numpy(loss(empty, empty))
+    np.testing.assert_allclose(value, 1e-8 * np.log(1e-8), rtol=1e-3)
+    gradient = grad(lambda p: loss(empty, p), empty)
+    assert gradient.shape == (0, 2)
+    assert_finite(gradient, "famo on an empty batch")
 
 
 def test_famo_errors_name_the_argument():

@@ -42,16 +42,25 @@ class _MapChunks(torch.autograd.Function):
                 else:
                     slopes[j][i] = g
             values.append(chunk_values.detach())
-        ctx.wanted = wanted
         ctx.dtypes = [c.dtype for c in chunks]
-        ctx.save_for_backward(*[slopes[j] for j in wanted])
+        # Not save_for_backward: the backward pass scales the rows in place
+        # (a second buffer the size of the input would be the peak), so
+        # they can serve one backward pass only.
+        ctx.slopes = slopes
         return torch.stack(values)
 
     @staticmethod
     def backward(ctx, upstream):
+        slopes = getattr(ctx, "slopes", None)
+        if slopes is None:
+            raise RuntimeError(
+                "A chunked divergence's gradient (chunk_size=...) can be taken once per forward "
+                "pass on torch (retain_graph=True does not keep it): compute the value again."
+            )
+        del ctx.slopes
         grads = [None] * len(ctx.dtypes)
-        for j, s in zip(ctx.wanted, ctx.saved_tensors):
-            grads[j] = (s * upstream[..., None].to(s.dtype)).to(ctx.dtypes[j])
+        for j, s in slopes.items():
+            grads[j] = s.mul_(upstream[..., None].to(s.dtype)).to(ctx.dtypes[j])
         return (None, None, *grads)
 
 
