@@ -151,13 +151,20 @@ def chunk_rows(chunk_size, classes, n, heads=False):
     """Rows per chunk: `chunk_size`, or for "auto" the backend's measured
     elements per chunk (`backend.CHUNK_ELEMENTS`, or `HEAD_CHUNK_ELEMENTS`
     for logits formed from hidden states) over the number of `classes`, at
-    least 1 and at most the `n` rows when those are known. Classes known
-    only at run time count as 32768."""
+    least 1. When the `n` rows are known: at most n, and the largest
+    divisor of n down to half that many rows if there is one, so that no
+    padded copy of the inputs is made (8192 rows of 32000 classes on a
+    4 M budget: 128 rows, not 131). Classes known only at run time count
+    as 32768."""
     if chunk_size != "auto":
         return chunk_size
     budget = backend.HEAD_CHUNK_ELEMENTS if heads else backend.CHUNK_ELEMENTS
     rows = max(1, budget // (classes if isinstance(classes, int) else 32768))
-    return min(rows, max(n, 1)) if isinstance(n, int) else rows
+    if not isinstance(n, int):
+        return rows
+    if n <= rows:
+        return max(n, 1)
+    return next((d for d in range(rows, (rows - 1) // 2, -1) if n % d == 0), rows)
 
 
 def optional(check):
