@@ -30,7 +30,6 @@ from keras import ops
 from keras_penalties import _keras_internals, backend, regularizers
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties.ops import _numerics as num
-from keras_penalties.ops import magnitude
 
 _PACKAGE = "keras_penalties"
 
@@ -238,15 +237,6 @@ class ProximalDecay(_Wrapper):
         super().__init__(optimizer, exclude=exclude, name=name)
         self.regularizer = regularizer
 
-    def _prox(self, value, eta):
-        reg = self.regularizer
-        step = eta * reg.factor
-        if isinstance(reg, regularizers.L1):
-            return magnitude.l1_prox(value, step)
-        if isinstance(reg, regularizers.L2):
-            return magnitude.l2_prox(value, step, reg.center)
-        return magnitude.elastic_net_prox(value, step, reg.l1_ratio)
-
     def _apply(self, grads, variables):
         eta = ops.cast(self.inner_optimizer.learning_rate, "float32")
         # A copy: torch's variable is updated in place.
@@ -255,10 +245,20 @@ class ProximalDecay(_Wrapper):
         # No decay on a step the inner optimizer skipped (LossScaleOptimizer
         # on non-finite gradients) or only accumulated (gradient_accumulation_steps).
         stepped = ops.greater(self.inner_optimizer.iterations, before)
-        eta = eta * ops.cast(stepped, "float32")
-        for grad, variable in zip(grads, variables):
-            if grad is not None and self._included(variable):
-                variable.assign(self._prox(variable.value, eta))
+        step = eta * ops.cast(stepped, "float32") * self.regularizer.factor
+        decayed = [v for g, v in zip(grads, variables) if g is not None and self._included(v)]
+        threshold, shrink, center = self._prox_parts(step)
+        backend.proximal_step(decayed, threshold, shrink, center)
+
+    def _prox_parts(self, step):
+        """(threshold, shrink, center) of the proximal step of R at `step` = η_t·f."""
+        reg = self.regularizer
+        if isinstance(reg, regularizers.L1):
+            return step, None, None
+        if isinstance(reg, regularizers.L2):
+            return None, 1.0 / (1.0 + 2.0 * step), None if reg.center == 0 else reg.center
+        # The L1 step at f·α, then the L2 step at f·(1 − α).
+        return step * reg.l1_ratio, 1.0 / (1.0 + 2.0 * step * (1.0 - reg.l1_ratio)), None
 
     def _options(self):
         return {"regularizer": keras.saving.serialize_keras_object(self.regularizer), **super()._options()}
@@ -289,9 +289,6 @@ class _GradientTransform(_Wrapper):
             g if g is None or not self._included(v) else self._transform(g, v)
             for g, v in zip(grads, variables)
         ]
-
-
-_TINY = 1e-30  # below any gradient norm that matters, above float32's smallest normal
 
 
 def _axes_but_last(x):
@@ -400,21 +397,13 @@ class AdaptiveGradientClipping(_GradientTransform):
         super().__init__(optimizer, exclude=exclude, name=name)
         self.clip_factor, self.eps = clip_factor, eps
 
-    def _transform(self, grad, variable):
-        w, g = variable.value, grad
-        if num.is_half(g.dtype) or num.is_half(w.dtype):
-            w, g = ops.cast(w, "float32"), ops.cast(g, "float32")
-        if len(g.shape) > 1:
-            # Unit norms as one reduction over a [fan-in, units] view.
-            units = g.shape[-1]
-            w_norm = ops.norm(ops.reshape(w, (-1, units)), axis=0)
-            g_norm = ops.norm(ops.reshape(g, (-1, units)), axis=0)
-        else:
-            w_norm, g_norm = ops.norm(ops.reshape(w, (-1,))), ops.norm(ops.reshape(g, (-1,)))
-        limit = self.clip_factor * ops.maximum(w_norm, self.eps)
-        # min(1, limit/‖g‖), and 1 for a zero gradient (no 0/0).
-        scale = ops.minimum(1.0, limit / ops.maximum(g_norm, _TINY))
-        return ops.cast(g * scale, grad.dtype)
+    def _transform_all(self, grads, variables):
+        clipped = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and self._included(v)]
+        out = list(grads)
+        new = backend.unit_clip([grads[i] for i in clipped], [variables[i].value for i in clipped], self.clip_factor, self.eps)
+        for i, g in zip(clipped, new):
+            out[i] = g
+        return out
 
     def _options(self):
         return {"clip_factor": self.clip_factor, "eps": self.eps, **super()._options()}

@@ -28,6 +28,12 @@ organises `keras/src/backend/`:
 - `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
   `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
+- `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
+  elastic-net proximal step of `ProximalDecay`, in place on each variable
+  (`torch._foreach_*` calls on torch).
+- `unit_clip(grads, weights, clip_factor, eps)`: adaptive gradient
+  clipping of each gradient by its variable's unit norms (plain torch ops
+  on torch).
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
 - `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
@@ -56,6 +62,8 @@ parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
+proximal_step = _module.proximal_step
+unit_clip = _module.unit_clip
 map_chunks = _module.map_chunks
 chunked_sum = _module.chunked_sum
 project = _module.project
@@ -75,8 +83,10 @@ __all__ = [
     "outside_distribution",
     "parameter_probe",
     "project",
+    "proximal_step",
     "replicas_in_sync",
     "softmax_pair",
     "sum_of_squares",
     "sum_over_replicas",
+    "unit_clip",
 ]

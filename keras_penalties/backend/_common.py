@@ -32,6 +32,55 @@ def map_chunks(fn, chunks, dtype):
     return ops.map(keras.remat(fn), chunks)
 
 
+def proximal_step(variables, threshold, shrink, center):
+    """Each variable v ← c + k·(u − clip(u, −t, t)), u = v − c, in place: the
+    proximal step of an L1 (`threshold` t), L2 (`shrink` k = 1/(1 + 2·step),
+    with `center` c: None, a number or "mean", the variable's own mean) or
+    elastic-net decay (both, c = 0). t and k are float32 scalars, or None
+    for no thresholding / no shrinking. u − clip(u, ±t) is soft
+    thresholding, sign(u)·max(|u| − t, 0), in one pass fewer: |u| ≤ t gives
+    exactly 0."""
+    for v in variables:
+        x = v.value
+        c = None if center is None else ops.mean(x) if center == "mean" else ops.cast(center, x.dtype)
+        u = x if c is None else x - c
+        if threshold is not None:
+            t = ops.cast(threshold, x.dtype)
+            u = u - ops.clip(u, -t, t)
+        if shrink is not None:
+            u = u * ops.cast(shrink, x.dtype)
+        v.assign(u if c is None else c + u)
+
+
+def unit_clip(grads, weights, clip_factor, eps):
+    """Adaptive gradient clipping of each (gradient, weight) pair:
+    g·min(1, λ·max(‖w‖, ε)/‖g‖) with norms per unit (over every axis but
+    the last; the whole tensor for rank ≤ 1), computed in float32, and g
+    unchanged where ‖g‖ = 0."""
+    return [_unit_clip(g, w, clip_factor, eps) for g, w in zip(grads, weights)]
+
+
+def _unit_clip(g, w, clip_factor, eps):
+    grad = g
+    if is_half(g.dtype) or is_half(w.dtype):
+        g, w = ops.cast(g, "float32"), ops.cast(w, "float32")
+    shape = (-1, g.shape[-1]) if len(g.shape) > 1 else (-1,)
+    # √Σx² per unit rather than ops.norm: torch's column norm was 8x slower.
+    w_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(w, shape)), axis=0))
+    g_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(g, shape)), axis=0))
+    limit = clip_factor * ops.maximum(w_norm, eps)
+    # min(1, limit/‖g‖), and 1 for a zero gradient (no 0/0).
+    scale = ops.minimum(1.0, limit / ops.maximum(g_norm, TINY))
+    return ops.cast(g * scale, grad.dtype)
+
+
+TINY = 1e-30  # below any gradient norm that matters, above float32's smallest normal
+
+
+def is_half(dtype):
+    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+
+
 def replicas_in_sync():
     return 1
 

@@ -12,10 +12,12 @@ from keras_penalties.backend._common import (  # noqa: F401
     map_chunks,
     norm,
     outside_distribution,
+    proximal_step,
     replicas_in_sync,
     softmax_pair,
     sum_of_squares,
     sum_over_replicas,
+    unit_clip,
 )
 
 # chunk_size="auto" (bench/results/README.md): 512 rows of a 32000

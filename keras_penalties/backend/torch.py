@@ -4,6 +4,7 @@ import keras
 import torch
 
 from keras_penalties.backend._common import (  # noqa: F401
+    TINY,
     loss_replicas,
     norm,
     outside_distribution,
@@ -176,6 +177,62 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     flat = rows + [p for head in heads for p in head[:3] if p is not None]
     dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
     return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
+
+
+def proximal_step(variables, threshold, shrink, center):
+    """As `_common.proximal_step`, as `torch._foreach_*` calls on the
+    variables' tensors in place, as Keras' torch Adam updates them. The
+    clip is a maximum and a minimum against tensor lists: `torch.clamp`
+    with tensor bounds took 0.77 ms over the bench MLP's six variables
+    (670 k values), these 0.19 ms (with Python-number bounds, which would
+    cost a device sync a step on a GPU, 0.18 ms)."""
+    by_dtype = {}
+    for v in variables:
+        by_dtype.setdefault(v.value.dtype, []).append(v.value)
+    with torch.no_grad():
+        for dtype, values in by_dtype.items():
+            n = len(values)
+            if center == "mean":
+                c = [x.mean() for x in values]
+                torch._foreach_sub_(values, c)
+            elif center is not None:
+                c = [torch.tensor(float(center), dtype=dtype, device=values[0].device)] * n
+                torch._foreach_sub_(values, c)
+            if threshold is not None:
+                t = threshold.to(dtype)
+                clipped = torch._foreach_maximum(values, [-t] * n)
+                torch._foreach_minimum_(clipped, [t] * n)
+                torch._foreach_sub_(values, clipped)
+            if shrink is not None:
+                torch._foreach_mul_(values, shrink.to(dtype))
+            if center is not None:
+                torch._foreach_add_(values, c)
+
+
+def unit_clip(grads, weights, clip_factor, eps):
+    """As `_common.unit_clip`, in torch ops on each pair: the same passes
+    over the tensors without keras.ops' per-call overhead (ten small ops a
+    variable), and column norms as √Σx² (`linalg.vector_norm` over the
+    rows of a [784, 512] kernel took 280 µs, this 33 µs)."""
+    out = []
+    with torch.no_grad():
+        for g, w in zip(grads, weights):
+            g32, w32 = g, w
+            if _is_half(g.dtype) or _is_half(w.dtype):
+                g32, w32 = g.float(), w.float()
+            if g.ndim > 1:
+                units = g.shape[-1]
+                w_norm = w32.reshape(-1, units).square().sum(0).sqrt_()
+                g_norm = g32.reshape(-1, units).square().sum(0).sqrt_()
+            else:
+                w_norm, g_norm = torch.linalg.vector_norm(w32), torch.linalg.vector_norm(g32)
+            scale = w_norm.clamp_(min=eps).mul_(clip_factor).div_(g_norm.clamp_(min=TINY)).clamp_(max=1.0)
+            out.append((g32 * scale).to(g.dtype))
+    return out
+
+
+def _is_half(dtype):
+    return dtype in (torch.float16, torch.bfloat16)
 
 
 def sum_of_squares(x):

@@ -143,33 +143,3 @@ def output_magnitude(x, *, target=1.0, reduction="mean"):
         norms = num.safe_norm(x, axis=tuple(range(1, len(x.shape))))
     values = ops.square(norms - target)
     return num.from_compute(num.reduce(values, reduction), dtype)
-
-
-# Proximal steps of the magnitude penalties: prox_{s·R}(x) = argmin_z
-# s·R(z) + ½‖z − x‖², in closed form. `optimizers.ProximalDecay` applies them
-# after an optimizer's update; `step` is a scalar tensor (learning rate ×
-# factor), 0 leaves x unchanged. Not part of the public ops: a step size is
-# an optimizer's notion.
-
-
-def l1_prox(x, step):
-    """Soft thresholding, sign(x)·max(|x| − step, 0): exact zeros below the threshold."""
-    # x − clip(x, ±step) is the same number in one pass fewer: |x| ≤ step
-    # gives x − x = 0 exactly, and otherwise x ∓ step, rounded as |x| − step.
-    step = ops.cast(step, x.dtype)
-    return x - ops.clip(x, -step, step)
-
-
-def l2_prox(x, step, center=None):
-    """c + (x − c)/(1 + 2·step): prox of step·Σ(x − c)² (no ½, as `l2`)."""
-    shrink = 1.0 / (1.0 + 2.0 * ops.cast(step, "float32"))
-    shrink = ops.cast(shrink, x.dtype)
-    if center is None or (not isinstance(center, str) and center == 0.0):
-        return x * shrink
-    c = ops.mean(x) if center == "mean" else ops.cast(center, x.dtype)
-    return c + (x - c) * shrink
-
-
-def elastic_net_prox(x, step, l1_ratio=0.5):
-    """The L1 prox at step·α, then the L2 prox at step·(1 − α)."""
-    return l2_prox(l1_prox(x, step * l1_ratio), step * (1.0 - l1_ratio))
