@@ -2,8 +2,9 @@
 composite losses compute during a forward pass, without changing their outputs."""
 
 import contextlib
+from typing import Any
 
-_active = {}
+_active: dict[int, list[Any]] = {}
 
 
 @contextlib.contextmanager

@@ -7,15 +7,23 @@ import math
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
 
 import keras
 import numpy as np
 from keras import ops
 
 from keras_penalties import _capture, _keras_internals, gradients
+from keras_penalties._types import Logs
 from keras_penalties.objective import CompositeLoss, CompositeObjective
 from keras_penalties.terms import METRIC_NAME_PATTERN
 from keras_penalties.ops import _numerics as num
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# What `target` may be: a composite of the model, or its name there.
+_Target: TypeAlias = CompositeObjective | CompositeLoss | str
 
 
 def _layers(model):
@@ -397,7 +405,14 @@ class PenaltyMonitor(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, probe_data=None, every_n_batches=100, grad_norms=True, external=None, external_timeout=30.0):
+    def __init__(
+        self,
+        probe_data: Any = None,
+        every_n_batches: int = 100,
+        grad_norms: bool = True,
+        external: dict[str, Callable[[Any, Any, Any], float | dict[str, float]]] | None = None,
+        external_timeout: float = 30.0,
+    ) -> None:
         super().__init__()
         self.external, self.external_timeout = _check_external(external, external_timeout)
         if self.external and probe_data is None:
@@ -410,20 +425,20 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.probe_data = probe_data
         self.every_n_batches = every_n_batches
         self.grad_norms = grad_norms
-        self.history = []
-        self.objectives = []
-        self._running_metrics = {}
-        self._probes = {}
+        self.history: list[dict[str, Any]] = []
+        self.objectives: list[CompositeObjective] = []
+        self._running_metrics: dict[int, _RunningValuesMetric] = {}
+        self._probes: dict[int, _Probe] = {}
         self._cadence = _Cadence(every_n_batches)
         self._epoch = 0
-        self._epoch_probes = []
-        self._running = {}  # external score name -> its call, while one runs past its probe
-        self._warned = set()
-        self._score_keys = {}  # external score name -> the log keys its results gave
+        self._epoch_probes: list[dict[str, float]] = []
+        self._running: dict[str, _Score] = {}  # external score name -> its call, while one runs past its probe
+        self._warned: set[str] = set()
+        self._score_keys: dict[str, list[str]] = {}  # external score name -> the log keys its results gave
 
     # ------------------------------------------------------------ metrics in the model
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
         for objective in self.objectives:
@@ -459,7 +474,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ probes
 
-    def probe(self):
+    def probe(self) -> dict[str, Any]:
         """Probes `probe_data` now; returns (and appends to `history`) one entry."""
         model = self.model  # syncs JAX state
         if id(model) not in self._probes:
@@ -549,13 +564,13 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ callback hooks
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         self._epoch = epoch
         self._epoch_probes = []
         self._cadence.epoch_began()
         self._reset(training=True)
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
         ended = self._cadence.batch_began(batch)
         if ended is not None:
             self._after_batch(ended, None)
@@ -573,7 +588,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 logs.update(probe_logs)
         self._cadence.batch_done()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         ended = self._cadence.epoch_ended()
         if ended is not None:
             self._after_batch(ended, logs if logs is not None else {})
@@ -587,15 +602,15 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 values = [p[key] for p in self._epoch_probes if key in p]
                 logs[key] = sum(values) / len(values)
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: Logs = None) -> None:
         self._reset(training=False)
 
-    def on_test_batch_end(self, batch, logs=None):
+    def on_test_batch_end(self, batch: int, logs: Logs = None) -> None:
         self._report_running_values(False, logs)
 
     # ------------------------------------------------------------ plot
 
-    def plot(self):
+    def plot(self) -> "Figure":
         """A matplotlib Figure: each term's contribution (weight × value),
         gradient norm and, where it changed (a schedule, an adaptive
         weighting), weight over the probed steps. Needs matplotlib and probes."""
@@ -661,14 +676,14 @@ class DynamicWeightAverage(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, target, temperature=2.0):
+    def __init__(self, target: _Target, temperature: float = 2.0) -> None:
         super().__init__()
         self.target_spec = _check_target(target)
         self.temperature = num.positive("temperature", temperature)
-        self.target = None
-        self.epoch_means = []
+        self.target: Any = None  # the CompositeObjective or CompositeLoss, from set_model
+        self.epoch_means: list[np.ndarray] = []
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.target = _settable_target(model, self.target_spec, "DynamicWeightAverage")
         if isinstance(self.target, CompositeLoss):
@@ -680,11 +695,11 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         for name, weight in zip(self.target.terms, weights):
             self.target.set_weight(name, float(weight))
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         self.epoch_means = []
         self._set(np.ones(len(self.target.terms)))
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         if isinstance(self.target, CompositeObjective):
             self.model  # noqa: B018
             self.target.reset_running_values(training=True)
@@ -697,7 +712,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
             means = {k.split("/", 1)[1]: float(v) for k, v in self.target.tracker.result().items()}
         return np.array([means.get(name, np.nan) for name in self.target.terms], "float64")
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         _log_weights(self.target, logs)
         self.epoch_means.append(self._epoch_means())
         if len(self.epoch_means) >= 2:
@@ -707,7 +722,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
             scaled = np.exp(scaled - scaled.max())
             self._set(len(scaled) * scaled / scaled.sum())
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         target = self.target_spec if isinstance(self.target_spec, str) else self.target_spec.name
         return {"target": target, "temperature": self.temperature}
 
@@ -766,7 +781,16 @@ class GradNorm(keras.callbacks.Callback):
     ('Adam', 0.025)
     """
 
-    def __init__(self, target, layer, *, alpha=1.5, optimizer=None, probe_data, every_n_batches=1):
+    def __init__(
+        self,
+        target: _Target,
+        layer: keras.layers.Layer | str,
+        *,
+        alpha: float = 1.5,
+        optimizer: keras.optimizers.Optimizer | str | dict[str, Any] | None = None,
+        probe_data: Any,
+        every_n_batches: int = 1,
+    ) -> None:
         super().__init__()
         self.target_spec = _check_target(target)
         if not (isinstance(layer, keras.layers.Layer) or (isinstance(layer, str) and layer)):
@@ -778,14 +802,15 @@ class GradNorm(keras.callbacks.Callback):
         if probe_data is None:
             raise TypeError("`probe_data` is required: GradNorm measures gradient norms on a fixed batch.")
         self.probe_data = _probe_batch(probe_data)
-        self.target = self.layer = None
-        self.history = []
-        self._probes = {}
+        self.target: Any = None  # the CompositeObjective or CompositeLoss, from set_model
+        self.layer: Any = None
+        self.history: list[dict[str, Any]] = []
+        self._probes: dict[int, _Probe] = {}
         # The weights as the optimizer's variable (before clipping), and the
         # copy of `optimizer` that steps them, both made on the host thread.
         self._weights = self._stepper = None
 
-    def set_model(self, model):
+    def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         if self.optimizer is getattr(model, "optimizer", None):
             raise ValueError(
@@ -837,11 +862,11 @@ class GradNorm(keras.callbacks.Callback):
 
         return _host_thread().submit(step).result()
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs = None) -> None:
         self._step = 0
-        self._initial = None
+        self._initial: np.ndarray | None = None
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         self._step += 1
         if self._step % self.every_n_batches:
             return
@@ -863,12 +888,12 @@ class GradNorm(keras.callbacks.Callback):
         })
         _log_weights(self.target, logs)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         self.model  # noqa: B018
         _log_weights(self.target, logs)
 
 
-_HOST = []
+_HOST: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
 def _host_thread():
@@ -895,7 +920,9 @@ def _own_optimizer(optimizer):
     return optimizer
 
 
-def gradnorm_gradient(weights, values, norms, initial, alpha):
+def gradnorm_gradient(
+    weights: np.ndarray, values: np.ndarray, norms: np.ndarray, initial: np.ndarray, alpha: float
+) -> np.ndarray:
     """∂L_grad/∂wᵢ = sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ (NumPy, float64), as `GradNorm` documents."""
     weighted = weights * norms
     ratios = np.divide(values, initial, out=np.ones_like(values), where=initial != 0)
@@ -904,7 +931,7 @@ def gradnorm_gradient(weights, values, norms, initial, alpha):
     return np.sign(weighted - goal) * norms
 
 
-def clip_and_renormalise(weights):
+def clip_and_renormalise(weights: np.ndarray) -> np.ndarray:
     """The weights clipped at 0 and rescaled to sum to their count (all 1 if none is left)."""
     clipped = np.maximum(weights, 0.0)
     total = clipped.sum()

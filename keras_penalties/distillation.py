@@ -18,6 +18,7 @@ hidden states without forming the [tokens, vocab] logits.
 """
 
 import re
+from typing import Any
 
 import keras
 from keras import ops
@@ -25,6 +26,7 @@ from keras import ops
 from keras_penalties import _keras_internals, backend
 from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
+from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops.heads import weighted_cross_entropy_sum
 
@@ -102,15 +104,15 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
 
     def __init__(
         self,
-        divergence="kl",
+        divergence: Divergence = "kl",
         *,
-        direction="forward",
-        beta=0.5,
-        temperature=1.0,
-        scale_by_temperature_squared=True,
-        chunk_size=None,
-        name=None,
-    ):
+        direction: Direction = "forward",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        scale_by_temperature_squared: bool = True,
+        chunk_size: ChunkSize = None,
+        name: str | None = None,
+    ) -> None:
         self.divergence = num.choice(*DIVERGENCES)("divergence", divergence)
         kl = penalties.kl_divergence.check_options(direction=direction, temperature=temperature, chunk_size=chunk_size)
         self.direction, self.temperature, self.chunk_size = kl["direction"], kl["temperature"], kl["chunk_size"]
@@ -120,7 +122,13 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
             raise TypeError(f"`name` must be a string or None; got {name!r}.")
         self.name = name
 
-    def divergence_sum(self, teacher_logits, student_logits, mask=None, chunk_size=None):
+    def divergence_sum(
+        self,
+        teacher_logits: TensorLike | penalties.LinearLogits,
+        student_logits: TensorLike | penalties.LinearLogits,
+        mask: TensorLike | None = None,
+        chunk_size: ChunkSize = None,
+    ) -> Tensor:
         """Σ over the kept tokens of the unscaled divergence (float32)."""
         options = dict(from_logits=True, temperature=self.temperature, mask=mask, reduction="sum")
         options["chunk_size"] = self.chunk_size if self.chunk_size is not None else chunk_size
@@ -131,10 +139,17 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         return ops.cast(value, "float32")
 
     @property
-    def scale(self):
+    def scale(self) -> float:
         return self.temperature**2 if self.scale_by_temperature_squared else 1.0
 
-    def compute_loss(self, teacher_outputs, student_outputs, sample_weight=None, chunk_size=None, **kwargs):
+    def compute_loss(
+        self,
+        teacher_outputs: TensorLike | penalties.LinearLogits,
+        student_outputs: TensorLike | penalties.LinearLogits,
+        sample_weight: TensorLike | None = None,
+        chunk_size: ChunkSize = None,
+        **kwargs: Any,
+    ) -> Tensor:
         """The mean over kept tokens, × T²: a float32 scalar.
 
         Args:
@@ -151,7 +166,7 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         kept = _positions(student_outputs) if mask is None else ops.sum(ops.cast(mask, "float32"))
         return self.scale * _mean_over_replicas(total, kept)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return with_hint(
             {
                 "divergence": self.divergence,
@@ -165,7 +180,7 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         )
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "LogitsDivergence":
         return cls(**without_hint(config))
 
 
@@ -315,18 +330,18 @@ class Distiller(keras.distillation.Distiller):
 
     def __init__(
         self,
-        teacher,
-        student,
-        distillation_losses,
-        distillation_loss_weights=None,
-        student_loss_weight=0.5,
-        name="distiller",
+        teacher: keras.Model,
+        student: keras.Model,
+        distillation_losses: keras.distillation.DistillationLoss | list[Any] | tuple[Any, ...],
+        distillation_loss_weights: float | list[float] | tuple[float, ...] | None = None,
+        student_loss_weight: float = 0.5,
+        name: str = "distiller",
         *,
-        head=None,
-        teacher_head=None,
-        chunk_size=None,
-        **kwargs,
-    ):
+        head: keras.layers.Layer | str | None = None,
+        teacher_head: keras.layers.Layer | str | None = None,
+        chunk_size: ChunkSize = None,
+        **kwargs: Any,
+    ) -> None:
         losses = list(distillation_losses) if isinstance(distillation_losses, (list, tuple)) else [distillation_losses]
         if distillation_loss_weights is not None and not isinstance(distillation_loss_weights, (list, tuple)):
             distillation_loss_weights = [distillation_loss_weights]
@@ -347,7 +362,7 @@ class Distiller(keras.distillation.Distiller):
         self.student_losses = None
         self._fused_step = False
 
-    def compile(self, optimizer="adam", loss=None, metrics=None, **kwargs):
+    def compile(self, optimizer: Any = "adam", loss: Any = None, metrics: Any = None, **kwargs: Any) -> None:
         """As `keras.distillation.Distiller.compile`; `loss` is the student
         loss. With `head`, it must be
         `keras.losses.SparseCategoricalCrossentropy(from_logits=True)`
@@ -358,33 +373,40 @@ class Distiller(keras.distillation.Distiller):
         if self.head is not None:
             _check_fusable_student_loss(self.student_losses)
 
-    def get_compile_config(self):
+    def get_compile_config(self) -> dict[str, Any] | None:
         config = super().get_compile_config()
         if config:
             config["loss"] = keras.saving.serialize_keras_object(self.student_loss_config)
         return config
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict[str, Any]) -> None:
         self.compile(**keras.saving.deserialize_keras_object(config))
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def call(self, inputs, training=None, **kwargs):
+    def call(self, inputs: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """The student's logits; with `head`, while training, the hidden
         states that feed it (the training step's `y_pred`)."""
         if training and self.head is not None:
             return self.head.hidden_model(inputs, training=training, **kwargs)
         return self.student(inputs, training=training, **kwargs)
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    def compute_loss(
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: TensorLike | None = None,
+        training: bool = True,
+    ) -> Tensor:
         # The student's own losses, read before the teacher runs: on TF and
         # torch `self.losses` would then include the teacher's too.
-        own = [ops.cast(loss, "float32") for loss in self.losses]
+        own: Any = [ops.cast(loss, "float32") for loss in self.losses]
         own = sum(own) if own else 0.0
         self._fused_step = bool(training) and self.head is not None
         if y_pred is None:
             y_pred = self(x, training=training)
-        student = self.head.logits(y_pred) if self._fused_step else y_pred
+        student = self.head.logits(y_pred) if self._fused_step else y_pred  # type: ignore[union-attr]  # fused: a head
         replicas = float(backend.loss_replicas())
 
         student_loss = ops.zeros((), "float32")
@@ -413,7 +435,7 @@ class Distiller(keras.distillation.Distiller):
         # one-device numbers.
         return total / replicas
 
-    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: TensorLike | None = None) -> dict[str, Any]:
         if not self._fused_step:
             return super().compute_metrics(x, y, y_pred, sample_weight)
         # A fused training step never forms the logits that compiled metrics
@@ -421,7 +443,7 @@ class Distiller(keras.distillation.Distiller):
         # (`evaluate` computes them).
         return self._metric_logs(lambda metric: not _keras_internals.is_compiled_metrics(metric))
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict[str, Any]:
         # After fused training steps the compiled metrics may never have
         # been built (TensorFlow builds them on their first update).
         return self._metric_logs(lambda metric: not _keras_internals.is_compiled_metrics(metric) or metric.built)
@@ -462,7 +484,7 @@ class Distiller(keras.distillation.Distiller):
         # here and applied once to the total.
         return sum(ops.mean(v) for v in keras.tree.flatten(values)) * replicas
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(
             head=None if self.head is None else self.head.layer.name,

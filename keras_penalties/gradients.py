@@ -6,32 +6,39 @@ the backend's native autodiff (`jax.grad`, `tf.GradientTape`,
 branches on the Keras backend.
 """
 
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
 import keras
+import numpy as np
 from keras import ops
 
 from keras_penalties import backend
 from keras_penalties import ops as penalties
+from keras_penalties._types import Reduction, Tensor, TensorLike
+
+if TYPE_CHECKING:
+    from keras_penalties.objective import CompositeObjective
 
 
-def _as_float(x):
+def _as_float(x: TensorLike) -> Tensor:
     x = ops.convert_to_tensor(x)
     if "float" not in keras.backend.standardize_dtype(x.dtype):
         x = ops.cast(x, keras.config.floatx())
     return x
 
 
-def _check_callable(name, fn):
+def _check_callable(name: str, fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"`{name}` must be a callable; got {fn!r}.")
 
 
-def _gradients(fn, tensors):
+def _gradients(fn: Callable[..., Tensor], tensors: Sequence[Tensor]) -> list[Tensor]:
     """Gradients of the scalar `fn(*tensors)` w.r.t. each of `tensors`, kept
     differentiable (double backprop) on every backend."""
     return backend.gradients(fn, tensors)
 
 
-def input_gradient(fn, x):
+def input_gradient(fn: Callable[[Tensor], Tensor], x: TensorLike) -> Tensor:
     """∇ₓ Σ fn(x): the gradient of a function's summed output w.r.t. its input.
 
     Works eagerly and inside a traced function (`jax.jit`, `tf.function`) and
@@ -58,7 +65,9 @@ def input_gradient(fn, x):
     return grad
 
 
-def gradient_norms(objective, inputs, *, base_loss=None):
+def gradient_norms(
+    objective: "CompositeObjective", inputs: Any, *, base_loss: Callable[[Any], Tensor] | None = None
+) -> dict[str, float]:
     """‖∂termᵢ/∂inputs‖₂ for each enabled term of a `CompositeObjective`.
 
     Norms are unweighted and taken over every tensor of `inputs` (a tensor,
@@ -81,10 +90,10 @@ def gradient_norms(objective, inputs, *, base_loss=None):
         _check_callable("base_loss", base_loss)
     flat = [_as_float(t) for t in keras.tree.flatten(inputs)]
 
-    def pack(tensors):
+    def pack(tensors: Sequence[Tensor]) -> Any:
         return keras.tree.pack_sequence_as(inputs, list(tensors))
 
-    def norm(fn):
+    def norm(fn: Callable[..., Tensor]) -> float:
         grads = _gradients(lambda *ts: fn(pack(ts)), flat)
         return float(ops.convert_to_numpy(ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))))
 
@@ -101,7 +110,9 @@ def gradient_norms(objective, inputs, *, base_loss=None):
     return norms
 
 
-def gradient_penalty(fn, x, *, target=1.0, reduction="mean"):
+def gradient_penalty(
+    fn: Callable[[Tensor], Tensor], x: TensorLike, *, target: float = 1.0, reduction: Reduction = "mean"
+) -> Tensor:
     """(‖∇ₓ fn(x)ᵢ‖₂ − target)² per sample: the gradient penalty.
 
     The norm is over all non-batch axes of the input gradient, with a finite
@@ -130,7 +141,14 @@ def gradient_penalty(fn, x, *, target=1.0, reduction="mean"):
     return penalties.output_magnitude(input_gradient(fn, x), **options)
 
 
-def interpolated_gradient_penalty(fn, real, fake, *, target=1.0, seed=None):
+def interpolated_gradient_penalty(
+    fn: Callable[[Tensor], Tensor],
+    real: TensorLike,
+    fake: TensorLike,
+    *,
+    target: float = 1.0,
+    seed: int | keras.random.SeedGenerator | None = None,
+) -> Tensor:
     """WGAN-GP: the gradient penalty at random points between real and fake samples.
 
     x̂ = ε·real + (1 − ε)·fake with one ε ~ U(0, 1) per sample, drawn with
@@ -173,7 +191,14 @@ def interpolated_gradient_penalty(fn, real, fake, *, target=1.0, seed=None):
     return gradient_penalty(fn, mixed, target=target)
 
 
-def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True, variables=None):
+def parameter_probe(
+    model: keras.Model,
+    outputs_fn: Callable[[Any, Any], list[Tensor]],
+    num_outputs: int,
+    *,
+    grad_norms: bool = True,
+    variables: Sequence[keras.Variable] | None = None,
+) -> Callable[[Any, Any], tuple[np.ndarray, np.ndarray | None]]:
     """Builds, once, a probe of a model's penalty terms and their gradient norms.
 
     `outputs_fn(x, y)` is backend-agnostic code that calls the model and
@@ -193,14 +218,14 @@ def parameter_probe(model, outputs_fn, num_outputs, *, grad_norms=True, variable
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
 
-    def outputs(trainable_values, other_values, x, y):
+    def outputs(trainable_values: Sequence[Tensor], other_values: Sequence[Tensor], x: Any, y: Any) -> list[Tensor]:
         mapping = list(zip(trainable, trainable_values)) + list(zip(others, other_values))
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
             return outputs_fn(x, y)
 
     probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms)
 
-    def numpy_probe(x, y):
+    def numpy_probe(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray | None]:
         values, norms = probe(x, y)
         return ops.convert_to_numpy(values), None if norms is None else ops.convert_to_numpy(norms)
 

@@ -11,39 +11,43 @@ under the package `"keras_penalties.losses"`.
 defined beside `CompositeObjective` in `keras_penalties.objective`.
 """
 
+from typing import Any, TypeVar
+
 import keras
 
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
+from keras_penalties._types import ChunkSize, Direction, DType, EntropyMode, LossReduction, Metric, Tensor, TensorLike
 from keras_penalties.objective import CompositeLoss
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
 from keras_penalties.terms import loss_result
 
 _PACKAGE = "keras_penalties.losses"
+_Loss = TypeVar("_Loss", bound="_PenaltyLoss")
 
 
 class _PenaltyLoss(keras.losses.Loss):
     """Per-sample `self.penalty(y_true, y_pred, reduction="none", **options)`."""
 
-    penalty = None
+    penalty: Any = None  # the ops function, a staticmethod in each subclass
 
-    def __init__(self, reduction, name, dtype, **options):
+    def __init__(self, reduction: LossReduction, name: str | None, dtype: DType, **options: Any) -> None:
         self._options = type(self).penalty.check_options(**options)
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         for key, value in self._options.items():
             setattr(self, key, value)
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
+    def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
         return loss_result(self, super().__call__(y_true, y_pred, sample_weight))
 
-    def call(self, y_true, y_pred):
+    def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
         return type(self).penalty(y_true, y_pred, reduction="none", **self._options)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return with_hint({**super().get_config(), "dtype": self.dtype, **self._options})
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_Loss], config: dict[str, Any]) -> _Loss:
         return super().from_config(without_hint(config))
 
 
@@ -81,8 +85,9 @@ class KLDivergence(_PenaltyLoss):
 
     penalty = staticmethod(penalties.kl_divergence)
 
-    def __init__(self, from_logits=False, direction="forward", temperature=1.0, axis=-1,
-                 reduction="sum_over_batch_size", name="kl_divergence", dtype=None, chunk_size=None):
+    def __init__(self, from_logits: bool = False, direction: Direction = "forward", temperature: float = 1.0,
+                 axis: int = -1, reduction: LossReduction = "sum_over_batch_size", name: str = "kl_divergence",
+                 dtype: DType = None, chunk_size: ChunkSize = None) -> None:
         super().__init__(reduction, name, dtype, from_logits=from_logits, direction=direction,
                          temperature=temperature, axis=axis, chunk_size=chunk_size)
 
@@ -104,8 +109,9 @@ class JSDivergence(_PenaltyLoss):
 
     penalty = staticmethod(penalties.js_divergence)
 
-    def __init__(self, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="sum_over_batch_size",
-                 name="js_divergence", dtype=None, chunk_size=None):
+    def __init__(self, from_logits: bool = False, temperature: float = 1.0, beta: float = 0.5, axis: int = -1,
+                 reduction: LossReduction = "sum_over_batch_size", name: str = "js_divergence", dtype: DType = None,
+                 chunk_size: ChunkSize = None) -> None:
         super().__init__(reduction, name, dtype, from_logits=from_logits, temperature=temperature, beta=beta,
                          axis=axis, chunk_size=chunk_size)
 
@@ -129,21 +135,24 @@ class Entropy(_PenaltyLoss):
     # A term of a CompositeObjective may give it the prediction alone.
     needs_y_true = False
 
-    def __init__(self, from_logits=False, mode="penalty", normalize=False, temperature=1.0, axis=-1,
-                 reduction="sum_over_batch_size", name="entropy", dtype=None, chunk_size=None):
+    def __init__(self, from_logits: bool = False, mode: EntropyMode = "penalty", normalize: bool = False,
+                 temperature: float = 1.0, axis: int = -1, reduction: LossReduction = "sum_over_batch_size",
+                 name: str = "entropy", dtype: DType = None, chunk_size: ChunkSize = None) -> None:
         self.mode = check_entropy_mode("mode", mode)
         super().__init__(reduction, name, dtype, from_logits=from_logits, normalize=normalize,
                          temperature=temperature, axis=axis, chunk_size=chunk_size)
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
+    def __call__(
+        self, y_true: TensorLike | None, y_pred: TensorLike, sample_weight: TensorLike | None = None
+    ) -> Tensor:
         # y_true may be None (nothing to compare with); Loss.__call__ would
         # try to convert it.
         return super().__call__(y_pred if y_true is None else y_true, y_pred, sample_weight)
 
-    def call(self, y_true, y_pred):
+    def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
         return ENTROPY_MODES[self.mode] * penalties.entropy(y_pred, reduction="none", **self._options)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "mode": self.mode}
 
 
@@ -165,13 +174,13 @@ class Consistency(_PenaltyLoss):
 
     def __init__(
         self,
-        metric="mse",
-        from_logits=False,
-        axis=-1,
-        reduction="sum_over_batch_size",
-        name="consistency",
-        dtype=None,
-    ):
+        metric: Metric = "mse",
+        from_logits: bool = False,
+        axis: int = -1,
+        reduction: LossReduction = "sum_over_batch_size",
+        name: str = "consistency",
+        dtype: DType = None,
+    ) -> None:
         super().__init__(reduction, name, dtype, metric=metric, from_logits=from_logits, axis=axis)
 
 

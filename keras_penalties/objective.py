@@ -26,6 +26,7 @@ combine across replicas by their mean.
 
 
 import weakref
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -33,6 +34,7 @@ from keras import ops
 
 from keras_penalties import _capture, _keras_internals, backend, gradients
 from keras_penalties._saving import with_hint, without_hint
+from keras_penalties._types import DType, Penalty, Tensor, TensorLike, Weight, Weighting
 from keras_penalties.ops import _numerics as num
 from keras_penalties.terms import (
     Composite,
@@ -100,8 +102,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
     (0.6931, 1.3863)
     """
 
-    def __init__(self, terms, weights=None, name=None, weighting=None, weighting_learning_rate_multiplier=1.0,
-                 famo_learning_rate=0.025, famo_gamma=0.01, **kwargs):
+    def __init__(self, terms: dict[str, Term | Penalty], weights: dict[str, Weight] | None = None,
+                 name: str | None = None, weighting: Weighting = None, weighting_learning_rate_multiplier: float = 1.0,
+                 famo_learning_rate: float = 0.025, famo_gamma: float = 0.01, **kwargs: Any) -> None:
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
@@ -110,7 +113,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         )
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
-        self._passes = weakref.WeakKeyDictionary()
+        self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         with keras.name_scope(self.name, caller=self):
             weight_state(self, self.terms, self.weighting)
             # 1 where set_weight replaced a schedule by a number.
@@ -128,7 +131,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     # ------------------------------------------------------------ computation
 
-    def term_value(self, name, inputs):
+    def term_value(self, name: str, inputs: Any) -> Tensor:
         """One term's unweighted float32 scalar on `inputs` (half-precision
         tensors are computed in float32)."""
         return self._term_value(name, as_float32(inputs))
@@ -178,7 +181,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         self.add_loss(total)
         state["losses"].append(total)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         floats = as_float32(inputs)  # half-precision activations, once per call
         values = self._values(floats)
         _capture.record(self, values)
@@ -214,7 +217,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
             "keras.distribution, or one device."
         )
 
-    def compute_output_spec(self, inputs, training=None):
+    def compute_output_spec(self, inputs: Any, training: bool | None = None) -> Any:
         # Check what each term reads now, when the model is built.
         for name, term in self.terms.items():
             term.arguments(name, inputs)
@@ -224,7 +227,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
             lambda t: keras.KerasTensor(t.shape, t.dtype, sparse=t.sparse), inputs
         )
 
-    def compute(self, inputs):
+    def compute(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """`(total, values)` for `inputs`, with no side effects.
 
         `total` is Σ wᵢ·termᵢ over enabled terms (a float32 scalar tensor) and
@@ -238,7 +241,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     # ------------------------------------------------------------ reporting
 
-    def running_values(self, training=True):
+    def running_values(self, training: bool = True) -> dict[str, float]:
         """Mean unweighted value of each term (and of each custom metric, as
         `"<term>/<metric>"`) since the last reset, as floats (the numbers
         PenaltyMonitor logs); empty before the first call."""
@@ -249,12 +252,14 @@ class CompositeObjective(Composite, keras.layers.Layer):
         sums = ops.convert_to_numpy(self.value_sums)[row]
         return {name: float(sums[i] / count) for i, name in enumerate(self.reported_keys)}
 
-    def reset_running_values(self, training=True):
+    def reset_running_values(self, training: bool = True) -> None:
         row = _TRAIN if training else _EVAL
         self._assign_entry(self.value_sums, row, 0.0)
         self._assign_entry(self.value_counts, row, 0.0)
 
-    def report(self, inputs, *, base_loss=None, grad_norms=False):
+    def report(
+        self, inputs: Any, *, base_loss: TensorLike | Callable[[Any], Tensor] | None = None, grad_norms: bool = False
+    ) -> dict[str, Any]:
         """A JSON-ready breakdown of the objective on `inputs` (plain floats).
 
         Args:
@@ -305,11 +310,11 @@ class CompositeObjective(Composite, keras.layers.Layer):
             "total_grad_norm": norms.get("total"),
         }
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return with_hint({**super().get_config(), **self._composite_config()})
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "CompositeObjective":
         config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
 
@@ -427,8 +432,10 @@ class CompositeLoss(Composite, keras.losses.Loss):
     0.6862
     """
 
-    def __init__(self, terms, weights=None, name="composite_loss", dtype=None, weighting=None,
-                 weighting_learning_rate_multiplier=1.0, famo_learning_rate=0.025, famo_gamma=0.01):
+    def __init__(self, terms: dict[str, Term | Penalty], weights: dict[str, float] | None = None,
+                 name: str = "composite_loss", dtype: DType = None, weighting: Weighting = None,
+                 weighting_learning_rate_multiplier: float = 1.0, famo_learning_rate: float = 0.025,
+                 famo_gamma: float = 0.01) -> None:
         super().__init__(name=name, dtype=dtype)
         self._set_terms(
             terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma)
@@ -448,27 +455,27 @@ class CompositeLoss(Composite, keras.losses.Loss):
         self.tracker = TermMeans(self.name, self.reported_keys)
         # Set by PenaltyMonitor once the tracker is one of the model's metrics.
         self.tracker_registered = False
-        self._attached = []  # weak references to the models holding `state`
+        self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
         model = _keras_internals.calling_model(_loading)
         if model is not None:
             self.attach(model)
 
     @property
-    def term_weights(self):
+    def term_weights(self) -> keras.Variable:
         return self.state.term_weights
 
     @property
-    def term_enabled(self):
+    def term_enabled(self) -> keras.Variable:
         return self.state.term_enabled
 
     @property
-    def log_variances(self):
+    def log_variances(self) -> keras.Variable | None:
         return self.state.log_variances
 
     def _weight_owner(self):
         return self.state
 
-    def attach(self, model):
+    def attach(self, model: keras.Model) -> bool:
         """Adds the loss's variables to `model` (once); returns whether they
         were new to it. The loss does so itself when `model` first computes
         it (its symbolic build, at the start of `fit`/`evaluate`, before the
@@ -483,7 +490,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         _keras_internals.add_sublayer(model, self.state)
         return True
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
+    def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
         if not self._attached:
             model = _keras_internals.calling_model(_computes(self))
             if model is not None:
@@ -525,14 +532,14 @@ class CompositeLoss(Composite, keras.losses.Loss):
                 "losses. Use JAX's keras.distribution, or one device."
             )
 
-    def call(self, y_true, y_pred):
+    def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
         return self(y_true, y_pred)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return with_hint({"name": self.name, "dtype": self.dtype, **self._composite_config()})
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "CompositeLoss":
         config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
 

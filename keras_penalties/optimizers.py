@@ -23,15 +23,22 @@ A variable with a `None` gradient is left alone by every wrapper.
 
 import itertools
 import math
+from typing import Any, Sequence, TypeAlias, TypeVar
 
 import keras
 from keras import ops
 
 from keras_penalties import _keras_internals, backend, regularizers
 from keras_penalties._saving import with_hint, without_hint
+from keras_penalties._types import Tensor
 from keras_penalties.ops import _numerics as num
 
 _PACKAGE = "keras_penalties"
+# The inner optimizer: an instance, or a name `keras.optimizers.get` resolves.
+_Optimizer: TypeAlias = keras.optimizers.Optimizer | str
+# Variables left alone: those whose `path` contains one of these strings.
+_Exclude: TypeAlias = str | list[str] | tuple[str, ...] | None
+_Wrapped = TypeVar("_Wrapped", bound="_Wrapper")
 
 
 def _check_optimizer(optimizer):
@@ -66,7 +73,9 @@ class _Wrapper(keras.optimizers.Optimizer):
     base class runs `apply`.
     """
 
-    def __init__(self, optimizer, *, exclude=None, name=None):
+    built: bool  # Keras' Optimizer sets it; declared for type checkers (Keras has no types)
+
+    def __init__(self, optimizer: _Optimizer, *, exclude: _Exclude = None, name: str | None = None) -> None:
         optimizer = _check_optimizer(optimizer)
         exclude = _check_exclude(exclude)
         super().__init__(learning_rate=0.0, name=name)
@@ -74,11 +83,11 @@ class _Wrapper(keras.optimizers.Optimizer):
         self.exclude = exclude
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> keras.optimizers.Optimizer:
         """The wrapped optimizer (also `inner_optimizer`, as in `LossScaleOptimizer`)."""
         return self.inner_optimizer
 
-    def build(self, var_list):
+    def build(self, var_list: list[keras.Variable]) -> None:
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         self._build_own(var_list)
@@ -88,29 +97,29 @@ class _Wrapper(keras.optimizers.Optimizer):
         """Creates the wrapper's own state; most have none."""
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return _keras_internals.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Any:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(self, learning_rate: Any) -> None:
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Tensor) -> Tensor:
         # A LossScaleOptimizer nested inside scales the loss it unscales.
         return self.inner_optimizer.scale_loss(loss)
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: list[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Sequence[Tensor | None], trainable_variables: Sequence[keras.Variable] | None = None) -> None:
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -145,7 +154,7 @@ class _Wrapper(keras.optimizers.Optimizer):
         else:
             self.inner_optimizer.apply(grads, variables)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         # Not super().get_config(): the base options belong to the inner
         # optimizer, as in LossScaleOptimizer.
         return with_hint(
@@ -160,7 +169,7 @@ class _Wrapper(keras.optimizers.Optimizer):
         return {"exclude": list(self.exclude)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls: type[_Wrapped], config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> _Wrapped:
         config = without_hint(config)
         optimizer = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **cls._deserialize_options(config, custom_objects))
@@ -232,7 +241,14 @@ class ProximalDecay(_Wrapper):
     [0.4, 0.0, 1.9]
     """
 
-    def __init__(self, optimizer, regularizer, *, exclude=None, name=None):
+    def __init__(
+        self,
+        optimizer: _Optimizer,
+        regularizer: regularizers.L1 | regularizers.L2 | regularizers.ElasticNet,
+        *,
+        exclude: _Exclude = None,
+        name: str | None = None,
+    ) -> None:
         regularizer = _check_proximal(regularizer)
         super().__init__(optimizer, exclude=exclude, name=name)
         self.regularizer = regularizer
@@ -324,7 +340,15 @@ class GradientNoise(_GradientTransform):
     [0.0, 1.0]
     """
 
-    def __init__(self, optimizer, *, stddev=0.01, decay=0.55, seed=None, name=None):
+    def __init__(
+        self,
+        optimizer: _Optimizer,
+        *,
+        stddev: float = 0.01,
+        decay: float = 0.55,
+        seed: int | None = None,
+        name: str | None = None,
+    ) -> None:
         stddev = num.non_negative("stddev", stddev)
         decay = num.non_negative("decay", decay)
         seed = None if seed is None else num.integer("seed", seed)
@@ -391,7 +415,15 @@ class AdaptiveGradientClipping(_GradientTransform):
     [3.0, 3.5]
     """
 
-    def __init__(self, optimizer, *, clip_factor=0.01, eps=1e-3, exclude=None, name=None):
+    def __init__(
+        self,
+        optimizer: _Optimizer,
+        *,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        exclude: _Exclude = None,
+        name: str | None = None,
+    ) -> None:
         clip_factor = num.non_negative("clip_factor", clip_factor)
         eps = num.non_negative("eps", eps)
         super().__init__(optimizer, exclude=exclude, name=name)
@@ -434,7 +466,7 @@ class GradientCentralization(_GradientTransform):
     [1.0, -1.0]
     """
 
-    def __init__(self, optimizer, *, exclude=None, name=None):
+    def __init__(self, optimizer: _Optimizer, *, exclude: _Exclude = None, name: str | None = None) -> None:
         super().__init__(optimizer, exclude=exclude, name=name)
 
     def _transform(self, grad, variable):

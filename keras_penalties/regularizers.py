@@ -18,11 +18,14 @@ statistic and is multiplied by the batch size, so the layer adds exactly
 factor × the KL sparsity penalty.
 """
 
+from typing import Any, TypeVar
+
 import keras
 from keras import ops
 
 from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
+from keras_penalties._types import Center, EntropyMode, OrthogonalityAxis, OrthogonalityMode, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 
 _PACKAGE = "keras_penalties.regularizers"
@@ -30,9 +33,10 @@ _PACKAGE = "keras_penalties.regularizers"
 # The sign each Entropy `mode` puts on H; losses.Entropy uses the same table.
 ENTROPY_MODES = {"penalty": 1.0, "bonus": -1.0}
 check_entropy_mode = num.choice(*ENTROPY_MODES)
+_Regularizer = TypeVar("_Regularizer", bound="_PenaltyRegularizer")
 
 
-def _factor(value):
+def _factor(value: Any) -> float:
     """`factor` checked as Keras' own regularizers check theirs: anything but
     a finite number >= 0 is a `ValueError` (SPEC §2), a string, None or a
     list included (`keras.regularizers.L1("a")` raises `ValueError` too)."""
@@ -45,19 +49,19 @@ def _factor(value):
 class _PenaltyRegularizer(keras.regularizers.Regularizer):
     """factor × `self.penalty(x, **options)`; subclasses name the penalty."""
 
-    penalty = None
+    penalty: Any = None  # the ops function, a staticmethod in each subclass
 
-    def __init__(self, factor, **options):
+    def __init__(self, factor: float, **options: Any) -> None:
         self.factor = _factor(factor)
         self._options = type(self).penalty.check_options(**options)
         for name, value in self._options.items():
             setattr(self, name, value)
 
-    def value(self, x):
+    def value(self, x: TensorLike) -> Tensor:
         """The unscaled penalty this regularizer multiplies by `factor`."""
         return type(self).penalty(x, **self._options)
 
-    def __call__(self, x):
+    def __call__(self, x: TensorLike) -> Tensor:
         x = ops.convert_to_tensor(x)
         if num.is_half(x.dtype):
             # Mixed precision: a loss contribution is float32, and the sum
@@ -67,14 +71,14 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
         value = self.value(x)
         return ops.cast(self.factor, value.dtype) * value
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return with_hint({"factor": self.factor, **self._options})
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls: type[_Regularizer], config: dict[str, Any]) -> _Regularizer:
         return cls(**without_hint(config))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self._options.items())
         return f"{type(self).__name__}({self.factor}{options})"
 
@@ -93,7 +97,7 @@ class L1(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.l1)
 
-    def __init__(self, factor):
+    def __init__(self, factor: float) -> None:
         super().__init__(factor)
 
 
@@ -118,7 +122,7 @@ class L2(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.l2)
 
-    def __init__(self, factor, center=None, clip=None):
+    def __init__(self, factor: float, center: Center = None, clip: float | None = None) -> None:
         super().__init__(factor, center=center, clip=clip)
 
 
@@ -136,7 +140,7 @@ class ElasticNet(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.elastic_net)
 
-    def __init__(self, factor, l1_ratio=0.5):
+    def __init__(self, factor: float, l1_ratio: float = 0.5) -> None:
         super().__init__(factor, l1_ratio=l1_ratio)
 
 
@@ -161,7 +165,13 @@ class Orthogonality(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.orthogonality)
 
-    def __init__(self, factor, mode="soft", axis="columns", normalize=True):
+    def __init__(
+        self,
+        factor: float,
+        mode: OrthogonalityMode = "soft",
+        axis: OrthogonalityAxis = "columns",
+        normalize: bool = True,
+    ) -> None:
         super().__init__(factor, mode=mode, axis=axis, normalize=normalize)
 
 
@@ -193,7 +203,14 @@ class Entropy(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.entropy)
 
-    def __init__(self, factor, from_logits=False, mode="penalty", normalize=False, temperature=1.0):
+    def __init__(
+        self,
+        factor: float,
+        from_logits: bool = False,
+        mode: EntropyMode = "penalty",
+        normalize: bool = False,
+        temperature: float = 1.0,
+    ) -> None:
         self.mode = check_entropy_mode("mode", mode)
         super().__init__(
             factor,
@@ -202,10 +219,10 @@ class Entropy(_PenaltyRegularizer):
             temperature=temperature,
         )
 
-    def value(self, x):
+    def value(self, x: TensorLike) -> Tensor:
         return ENTROPY_MODES[self.mode] * penalties.entropy(x, reduction="sum", **self._options)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "mode": self.mode}
 
 
@@ -228,10 +245,10 @@ class KLSparsity(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.kl_sparsity)
 
-    def __init__(self, factor, target=0.05):
+    def __init__(self, factor: float, target: float = 0.05) -> None:
         super().__init__(factor, target=target)
 
-    def value(self, x):
+    def value(self, x: TensorLike) -> Tensor:
         value = super().value(x)
         return value * ops.cast(ops.shape(x)[0], value.dtype)
 
@@ -253,10 +270,10 @@ class OutputMagnitude(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.output_magnitude)
 
-    def __init__(self, factor, target=1.0):
+    def __init__(self, factor: float, target: float = 1.0) -> None:
         super().__init__(factor, target=target)
 
-    def value(self, x):
+    def value(self, x: TensorLike) -> Tensor:
         return penalties.output_magnitude(x, reduction="sum", **self._options)
 
 

@@ -20,6 +20,7 @@ Imports `ops`, `backend`, `_saving` and Keras; the composites
 import functools
 import inspect
 import re
+from typing import Any, Callable
 
 import keras
 import numpy as np
@@ -27,6 +28,7 @@ from keras import ops
 
 from keras_penalties import _keras_internals, backend
 from keras_penalties import ops as penalties
+from keras_penalties._types import InputKeys, Penalty, PenaltyName, Tensor, TensorLike, Weight
 from keras_penalties.ops import _numerics as num
 
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -520,7 +522,15 @@ class Term:
     'entropy'
     """
 
-    def __init__(self, penalty, weight=1.0, inputs=None, enabled=True, options=None, metrics=None):
+    def __init__(
+        self,
+        penalty: Penalty,
+        weight: Weight = 1.0,
+        inputs: InputKeys = None,
+        enabled: bool = True,
+        options: dict[str, Any] | None = None,
+        metrics: dict[str, PenaltyName | Callable[..., Any]] | None = None,
+    ) -> None:
         if options is not None and not isinstance(options, dict):
             raise TypeError(f"`options` must be a dict or None; got {options!r}.")
         self._penalty = _penalty(penalty, dict(options or {}))
@@ -549,7 +559,7 @@ class Term:
         self.metrics = _check_metrics(metrics)
 
     @property
-    def mask_input(self):
+    def mask_input(self) -> str | int | None:
         """The name or position of the input holding the term's mask, or None."""
         return self._penalty.mask_input
 
@@ -559,22 +569,22 @@ class Term:
         return self.inputs if self.mask_input is None else self.inputs + (self.mask_input,)
 
     @property
-    def scheduled(self):
+    def scheduled(self) -> bool:
         return is_schedule(self.weight)
 
     @property
-    def sums_over_samples(self):
+    def sums_over_samples(self) -> bool:
         """Whether the value is a sum over samples (it then grows with the
         batch, and a distributed step adds the replicas' values) rather than
         a per-sample mean or a statistic of the batch."""
         return self._penalty.sums_over_samples
 
-    def copy(self):
+    def copy(self) -> "Term":
         return Term(self.penalty, self.weight, self.inputs, self.enabled, self.options, self.metrics)
 
     # -------------------------------------------- in a CompositeObjective
 
-    def arguments(self, name, inputs):
+    def arguments(self, name: str, inputs: Any) -> tuple[Any, ...]:
         """The tensors of `inputs` (a tensor, list or dict, as fed to the
         objective) that the term `name` reads, in order."""
         if self.inputs is None:
@@ -605,11 +615,11 @@ class Term:
             "tensor; feed a dict (or list) holding them."
         )
 
-    def value(self, name, inputs):
+    def value(self, name: str, inputs: Any) -> Tensor:
         """The term's unweighted float32 scalar on what an objective was fed."""
         return scalar(name, self(*self.arguments(name, inputs)))
 
-    def metric_values(self, name, inputs):
+    def metric_values(self, name: str, inputs: Any) -> list[Tensor]:
         """Each of the term's `metrics` on what an objective was fed (the
         tensors the term reads, its mask excluded), as float32 scalars."""
         tensors = self.arguments(name, inputs)
@@ -617,21 +627,23 @@ class Term:
             tensors = tensors[:-1]
         return self._metrics_on(tensors)
 
-    def __call__(self, *tensors):
+    def __call__(self, *tensors: TensorLike) -> Tensor:
         """The unweighted value of the penalty on `tensors` (those `reads`
         names: the mask, if the term has one, comes last)."""
         return self._penalty(*tensors)
 
     # -------------------------------------------- in a CompositeLoss
 
-    def loss_value(self, name, y_true, y_pred, sample_weight=None):
+    def loss_value(
+        self, name: str, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None
+    ) -> Tensor:
         """The term's unweighted float32 value in a CompositeLoss, on this
         replica's batch as one device would compute it on that batch;
         `y_true` and `y_pred` as Keras passed them (a Loss reads the mask
         `y_pred` carries before any cast)."""
         return self._penalty.loss_value(name, y_true, y_pred, sample_weight)
 
-    def loss_metric_values(self, y_true, y_pred):
+    def loss_metric_values(self, y_true: TensorLike, y_pred: TensorLike) -> list[Tensor]:
         """Each of the term's `metrics` on what it reads of (y_true, y_pred)."""
         return self._metrics_on(self._penalty.loss_tensors(y_true, y_pred))
 
@@ -640,7 +652,7 @@ class Term:
 
     # -------------------------------------------- saving
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         weight = keras.saving.serialize_keras_object(self.weight) if self.scheduled else self.weight
         return {
             "penalty": self._penalty.config(),
@@ -652,7 +664,7 @@ class Term:
         }
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> "Term":
         config = dict(config)
         for key in ("penalty", "weight"):
             if isinstance(config[key], dict):
@@ -663,7 +675,7 @@ class Term:
         }
         return cls(**config)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"Term({self._penalty.label!r}, weight={self.weight!r}, inputs={self.inputs!r}, "
             f"enabled={self.enabled})"
@@ -755,6 +767,12 @@ class Composite:
     `weight_overridden`."""
 
     step = None  # a CompositeObjective's training-step count
+    # What the subclass provides, declared for type checkers (the Keras base
+    # classes they also derive from have no types).
+    name: str
+    term_weights: Any
+    term_enabled: Any
+    weight_overridden: Any
 
     def _composite_config(self):
         """The config entries both composites share."""
@@ -779,7 +797,7 @@ class Composite:
         self.metric_keys = [f"{name}/{metric}" for name, t in self.terms.items() for metric in t.metrics]
 
     @property
-    def reported_keys(self):
+    def reported_keys(self) -> list[str]:
         """What the composite reports, in order: each term, then each term's
         custom metrics as `"<term>/<metric>"`."""
         return list(self.terms) + self.metric_keys
@@ -794,7 +812,7 @@ class Composite:
         array[index] = value
         variable.assign(array)
 
-    def set_weight(self, name, weight):
+    def set_weight(self, name: str, weight: float) -> None:
         """Sets a term's weight to a number from the next step on, without retracing.
 
         A number replaces the term's schedule, if it had one. Schedules are part
@@ -821,12 +839,12 @@ class Composite:
             self._assign_entry(self.weight_overridden, index, 1.0)
         self.terms[name].weight = weight
 
-    def enable(self, name):
+    def enable(self, name: str) -> None:
         """Counts the term in the total from the next step on."""
         self._assign_entry(self.term_enabled, self._index(name), 1.0)
         self.terms[name].enabled = True
 
-    def disable(self, name):
+    def disable(self, name: str) -> None:
         """Leaves the term out of the total from the next step on; its value is
         still computed and reported."""
         self._assign_entry(self.term_enabled, self._index(name), 0.0)
@@ -914,20 +932,20 @@ class Composite:
         )
         return ops.where(use_schedule, scheduled, self.term_weights.value)
 
-    def current_weights(self):
+    def current_weights(self) -> Tensor:
         """The weight vector of the next step: schedules at the current step
         (unless `set_weight` replaced them), numbers as set, ½·exp(−sᵢ) under
         uncertainty weighting."""
         return self._weights_at(None if self.step is None else self.step.value)
 
-    def weights_in_use(self):
+    def weights_in_use(self) -> dict[str, float]:
         """Each term's weight for the next step as a float (a disabled term's
         too): `{name: weight}`; ½·exp(−sᵢ) under uncertainty weighting; under
         FAMO the effective weights of the latest training step."""
         weights = ops.convert_to_numpy(self.current_weights())
         return {name: float(weights[i]) for i, name in enumerate(self.terms)}
 
-    def effective_weights(self):
+    def effective_weights(self) -> Tensor:
         """What each term's value is multiplied by in the total: its current
         weight, or 0 while disabled."""
         return self.current_weights() * self.term_enabled.value

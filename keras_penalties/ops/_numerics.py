@@ -10,6 +10,7 @@ at exact zeros and at extreme logits.
 import functools
 import inspect
 import math
+from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast
 
 import keras
 import numpy as np
@@ -30,8 +31,21 @@ _HALF_DTYPES = ("float16", "bfloat16")
 # function declares its checks once with `@options(...)`; the Keras classes
 # reuse them through `fn.check_options(...)` at construction.
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_R_co = TypeVar("_R_co", covariant=True)
 
-def options(**checks):
+
+class OptionsChecked(Protocol[_P, _R_co]):
+    """What `options` makes of a function: the function, with its own
+    signature for type checkers and IDEs, plus `check_options`."""
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+    def check_options(self, **options: Any) -> dict[str, Any]: ...
+
+
+def options(**checks: Callable[[str, Any], Any]) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
     """Decorator: validates (and normalises) keyword options before the call.
 
     `checks` maps an option name to a function `(name, value) -> value` that
@@ -40,14 +54,14 @@ def options(**checks):
     calling it and rejects names the function does not take.
     """
 
-    def decorate(fn):
+    def decorate(fn: Callable[_P, _R]) -> OptionsChecked[_P, _R]:
         accepted = [
             p.name
             for p in inspect.signature(fn).parameters.values()
             if p.kind is inspect.Parameter.KEYWORD_ONLY
         ]
 
-        def check_options(**opts):
+        def check_options(**opts: Any) -> dict[str, Any]:
             unknown = sorted(set(opts) - set(accepted))
             if unknown:
                 raise TypeError(
@@ -56,12 +70,14 @@ def options(**checks):
                 )
             return {k: checks[k](k, v) if k in checks else v for k, v in opts.items()}
 
-        @functools.wraps(fn)
-        def wrapper(*args, **opts):
-            return fn(*args, **check_options(**opts))
+        call: Callable[..., _R] = fn  # called with the checked options
 
-        wrapper.check_options = check_options
-        return wrapper
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **opts: Any) -> _R:
+            return call(*args, **check_options(**opts))
+
+        wrapper.check_options = check_options  # type: ignore[attr-defined]
+        return cast("OptionsChecked[_P, _R]", wrapper)
 
     return decorate
 

@@ -14,6 +14,7 @@ no [positions, classes] array is ever formed, forward or backward.
 from keras import ops
 
 from keras_penalties import backend
+from keras_penalties._types import Tensor
 from keras_penalties.ops import _numerics as num
 
 
@@ -28,43 +29,43 @@ class LinearLogits:
     (`hidden`'s leading axes, then V).
     """
 
-    def __init__(self, hidden, kernel, bias, transpose_kernel):
+    def __init__(self, hidden: Tensor, kernel: Tensor, bias: Tensor | None, transpose_kernel: bool) -> None:
         self.hidden = hidden
         self.kernel = kernel
         self.bias = bias
         self.transpose_kernel = transpose_kernel
 
     @property
-    def classes(self):
+    def classes(self) -> int | None:
         return self.kernel.shape[0 if self.transpose_kernel else 1]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int | None, ...]:
         return tuple(self.hidden.shape[:-1]) + (self.classes,)
 
-    def parts(self):
+    def parts(self) -> list[Tensor]:
         """Every tensor the logits are made of (for their dtype)."""
         return [self.hidden] + self.params()
 
-    def params(self):
+    def params(self) -> list[Tensor]:
         """What every row shares: the kernel, then the bias if any."""
         return [self.kernel] if self.bias is None else [self.kernel, self.bias]
 
-    def rows(self):
+    def rows(self) -> Tensor:
         """The hidden states as rows: [positions, H]."""
         return ops.reshape(self.hidden, (-1, ops.shape(self.hidden)[-1]))
 
-    def logits_of(self, rows, params):
+    def logits_of(self, rows: Tensor, params: list[Tensor]) -> Tensor:
         """The logits of hidden `rows` [n, H] with `params` (as `params()`)."""
         logits = backend.project(rows, params[0], self.transpose_kernel)
         return logits if len(params) == 1 else logits + params[1]
 
-    def materialise(self, compute):
+    def materialise(self, compute: str) -> Tensor:
         """The whole logits, computed in `compute` (float32 from half inputs)."""
         logits = self.logits_of(ops.cast(self.rows(), compute), [ops.cast(p, compute) for p in self.params()])
         return ops.reshape(logits, tuple(ops.shape(self.hidden)[:-1]) + (self.classes,))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         kernel = "kernelᵀ" if self.transpose_kernel else "kernel"
         bias = "" if self.bias is None else " + bias"
         return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}>"

@@ -20,8 +20,9 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
-from keras_penalties.ops._tokens import token_level
+from keras_penalties.ops._tokens import LinearLogits, token_level
 
 DIRECTIONS = ("forward", "reverse", "symmetric")
 METRICS = ("mse", "l1", "cosine", "kl", "js")
@@ -38,31 +39,31 @@ _TOKEN_OPTIONS = dict(chunk_size=num.chunk_size)
 
 
 
-def _check_pair(p, q, names, axis, min_rank=1):
+def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_rank: int = 1) -> int:
     num.check_same_shape(names, p, q)
     if min_rank:
         num.check_rank(names[0], p, min_rank, num.DISTRIBUTION_AXIS)
     return num.check_axis("axis", axis, max(len(p.shape), 1))
 
 
-def _kl_from_log(p, logp, logq, axis):
+def _kl_from_log(p: Tensor, logp: Tensor, logq: Tensor, axis: int) -> Tensor:
     """Σ p (log p − log q) along `axis`."""
     return ops.sum(p * (logp - logq), axis=axis)
 
 
 @num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def kl_divergence(
-    p,
-    q,
+    p: TensorLike | LinearLogits,
+    q: TensorLike | LinearLogits,
     *,
-    from_logits=False,
-    direction="forward",
-    temperature=1.0,
-    axis=-1,
-    reduction="mean",
-    mask=None,
-    chunk_size=None,
-):
+    from_logits: bool = False,
+    direction: Direction = "forward",
+    temperature: float = 1.0,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+    mask: TensorLike | None = None,
+    chunk_size: ChunkSize = None,
+) -> Tensor:
     """Kullback-Leibler divergence between two distributions along `axis`.
 
     forward: KL(p‖q) = Σ p (log p − log q); reverse: KL(q‖p);
@@ -114,7 +115,7 @@ def kl_divergence(
     return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
-def _kl_values(p, q, *, direction, from_logits, temperature, axis):
+def _kl_values(p: Tensor, q: Tensor, *, direction: Direction, from_logits: bool, temperature: float, axis: int) -> Tensor:
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     # Only the weighting distribution is needed as probabilities: forming the
     # other would cost a pass over the tensor outside jit.
@@ -129,7 +130,7 @@ def _kl_values(p, q, *, direction, from_logits, temperature, axis):
     return 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
 
 
-def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
+def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, axis: int, beta: float = 0.5) -> Tensor:
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
@@ -141,7 +142,7 @@ def _js_values(p, q, *, from_logits, temperature, axis, beta=0.5):
     return beta * _kl_from_log(p, logp, logm, axis) + (1.0 - beta) * _kl_from_log(q, logq, logm, axis)
 
 
-def _beta(name, value):
+def _beta(name: str, value: float) -> float:
     value = num.number(name, value)
     if value == 0.0 or value == 1.0:
         raise ValueError(
@@ -157,8 +158,17 @@ def _beta(name, value):
 
 @num.options(beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def js_divergence(
-    p, q, *, from_logits=False, temperature=1.0, beta=0.5, axis=-1, reduction="mean", mask=None, chunk_size=None
-):
+    p: TensorLike | LinearLogits,
+    q: TensorLike | LinearLogits,
+    *,
+    from_logits: bool = False,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+    mask: TensorLike | None = None,
+    chunk_size: ChunkSize = None,
+) -> Tensor:
     """Generalized Jensen-Shannon divergence: β·KL(p‖m) + (1 − β)·KL(q‖m), m = βp + (1 − β)q.
 
     At β = ½ (the default) it is the JS divergence: symmetric, in nats,
@@ -183,8 +193,16 @@ def js_divergence(
 
 @num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def entropy(
-    x, *, from_logits=False, normalize=False, temperature=1.0, axis=-1, reduction="mean", mask=None, chunk_size=None
-):
+    x: TensorLike | LinearLogits,
+    *,
+    from_logits: bool = False,
+    normalize: bool = False,
+    temperature: float = 1.0,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+    mask: TensorLike | None = None,
+    chunk_size: ChunkSize = None,
+) -> Tensor:
     """Shannon entropy H = −Σ p log p ≥ 0 along `axis`, in nats.
 
     Args:
@@ -213,7 +231,7 @@ def entropy(
     return token_level(values, (x,), ("x",), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
-def _entropy_values(x, *, from_logits, normalize, temperature, axis):
+def _entropy_values(x: Tensor, *, from_logits: bool, normalize: bool, temperature: float, axis: int) -> Tensor:
     p, logp = num.probs_and_log_probs(x, from_logits=from_logits, temperature=temperature, axis=axis)
     values = -ops.sum(p * logp, axis=axis)
     if normalize:
@@ -229,7 +247,15 @@ def _entropy_values(x, *, from_logits, normalize, temperature, axis):
     axis=num.integer,
     reduction=num.REDUCTION,
 )
-def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="mean"):
+def consistency(
+    a: TensorLike,
+    b: TensorLike,
+    *,
+    metric: Metric = "mse",
+    from_logits: bool = False,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+) -> Tensor:
     """Disagreement between two views of the same samples (consistency regularization).
 
     metric:
@@ -286,7 +312,7 @@ def consistency(a, b, *, metric="mse", from_logits=False, axis=-1, reduction="me
 
 
 @num.options(target=num.open_unit, axis=num.integer)
-def kl_sparsity(x, *, target=0.05, axis=0):
+def kl_sparsity(x: TensorLike, *, target: float = 0.05, axis: int = 0) -> Tensor:
     """Sparse-autoencoder penalty: Σ_j KL(ρ‖ρ̂_j) between Bernoulli means.
 
     ρ̂_j is unit j's mean activation over the batch axis `axis`, ρ = `target`;
@@ -319,7 +345,15 @@ def kl_sparsity(x, *, target=0.05, axis=0):
 
 
 @num.options(axis=num.integer, reduction=num.REDUCTION)
-def gaussian_kl(mean, log_var, mean_ref=None, log_var_ref=None, *, axis=-1, reduction="mean"):
+def gaussian_kl(
+    mean: TensorLike,
+    log_var: TensorLike,
+    mean_ref: TensorLike | None = None,
+    log_var_ref: TensorLike | None = None,
+    *,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+) -> Tensor:
     """KL(N(μ, σ²) ‖ N(μ₀, σ₀²)) of diagonal Gaussians, summed over `axis`: the VAE KL term.
 
     Per sample: Σ_axis ½[log σ₀² − log σ² + (σ² + (μ − μ₀)²)/σ₀² − 1] with

@@ -13,12 +13,15 @@ import functools
 
 from keras import ops
 
+from keras_penalties._types import ChunkSize, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
 
 @num.options(transpose_kernel=num.boolean)
-def linear(hidden, kernel, bias=None, *, transpose_kernel=False):
+def linear(
+    hidden: TensorLike, kernel: TensorLike, bias: TensorLike | None = None, *, transpose_kernel: bool = False
+) -> LinearLogits:
     """The logits `hidden @ kernel (+ bias)`, described but not formed.
 
     Pass the result, with `from_logits=True`, wherever `kl_divergence`,
@@ -89,17 +92,17 @@ def linear(hidden, kernel, bias=None, *, transpose_kernel=False):
     chunk_size=num.chunk_size,
 )
 def cross_entropy(
-    labels,
-    logits,
+    labels: TensorLike,
+    logits: TensorLike | LinearLogits,
     *,
-    from_logits=True,
-    mask=None,
-    label_smoothing=0.0,
-    temperature=1.0,
-    axis=-1,
-    reduction="mean",
-    chunk_size=None,
-):
+    from_logits: bool = True,
+    mask: TensorLike | None = None,
+    label_smoothing: float = 0.0,
+    temperature: float = 1.0,
+    axis: int = -1,
+    reduction: Reduction = "mean",
+    chunk_size: ChunkSize = None,
+) -> Tensor:
     """Cross-entropy of integer labels: −log p(label) along `axis`, in nats.
 
     The hard-label half of distillation, and plain causal-LM training. Equal
@@ -145,7 +148,9 @@ def cross_entropy(
     )
 
 
-def _cross_entropy_values(logits, *, labels, from_logits, label_smoothing, temperature, axis):
+def _cross_entropy_values(
+    logits: Tensor, *, labels: Tensor, from_logits: bool, label_smoothing: float, temperature: float, axis: int
+) -> Tensor:
     logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
     picked = ops.squeeze(ops.take_along_axis(logp, ops.expand_dims(labels, axis), axis=axis), axis)
     if not label_smoothing:
@@ -153,7 +158,9 @@ def _cross_entropy_values(logits, *, labels, from_logits, label_smoothing, tempe
     return -(1.0 - label_smoothing) * picked - label_smoothing * num.mean(logp, axis=axis)
 
 
-def weighted_cross_entropy_sum(labels, logits, weights, *, chunk_size=None):
+def weighted_cross_entropy_sum(
+    labels: TensorLike, logits: TensorLike | LinearLogits, weights: Tensor, *, chunk_size: ChunkSize = None
+) -> Tensor:
     """Σ weights·cross_entropy(labels, logits) over the positions: the
     numerator of Keras' sample-weighted loss (`Loss(y, y_pred,
     sample_weight)` divides it by the number of positions). Used by the

@@ -1,13 +1,16 @@
 """Magnitude penalties: L1, L2, elastic net and output magnitude."""
 
+from typing import Any
+
 from keras import ops
 
 from keras_penalties import backend
+from keras_penalties._types import Center, MagnitudeReduction, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 
 
 @num.options(reduction=num.MAGNITUDE_REDUCTION)
-def l1(x, *, reduction="sum"):
+def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     """L1 penalty: Σ|x|.
 
     Args:
@@ -44,11 +47,11 @@ def l1(x, *, reduction="sum"):
 # bench/results/README.md).
 
 
-def _sum_abs(x):
+def _sum_abs(x: Tensor) -> Tensor:
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
 
 
-def _center(name, value):
+def _center(name: str, value: Any) -> Center:
     if value is None or value == "mean":
         return value
     if isinstance(value, str):
@@ -57,7 +60,9 @@ def _center(name, value):
 
 
 @num.options(reduction=num.MAGNITUDE_REDUCTION, center=_center, clip=num.optional(num.positive))
-def l2(x, *, reduction="sum", center=None, clip=None):
+def l2(
+    x: TensorLike, *, reduction: MagnitudeReduction = "sum", center: Center = None, clip: float | None = None
+) -> Tensor:
     """L2 penalty: Σ(x − c)², without the ½ (the Keras convention).
 
     Args:
@@ -92,7 +97,7 @@ def l2(x, *, reduction="sum", center=None, clip=None):
 
 
 @num.options(l1_ratio=num.closed_unit, reduction=num.MAGNITUDE_REDUCTION)
-def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
+def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeReduction = "sum") -> Tensor:
     """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
 
     Args:
@@ -115,7 +120,7 @@ def elastic_net(x, *, l1_ratio=0.5, reduction="sum"):
 
 
 @num.options(target=num.non_negative, reduction=num.REDUCTION)
-def output_magnitude(x, *, target=1.0, reduction="mean"):
+def output_magnitude(x: TensorLike, *, target: float = 1.0, reduction: Reduction = "mean") -> Tensor:
     """Output magnitude penalty: (‖x_i‖₂ − target)² per sample.
 
     Axis 0 is the batch; each sample's norm is taken over all its other axes

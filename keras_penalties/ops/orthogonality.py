@@ -2,6 +2,7 @@
 
 from keras import ops
 
+from keras_penalties._types import OrthogonalityAxis, OrthogonalityMode, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 
 MODES = ("soft", "hard", "spectral")
@@ -9,7 +10,9 @@ AXES = ("columns", "rows")
 
 
 @num.options(mode=num.choice(*MODES), axis=num.choice(*AXES), normalize=num.boolean)
-def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
+def orthogonality(
+    w: TensorLike, *, mode: OrthogonalityMode = "soft", axis: OrthogonalityAxis = "columns", normalize: bool = True
+) -> Tensor:
     """Penalises the Gram matrix of a weight's vectors for being far from I.
 
     `w` is reshaped to [−1, last] (a Conv kernel [h, w, in, out] becomes
@@ -43,7 +46,7 @@ def orthogonality(w, *, mode="soft", axis="columns", normalize=True):
         raise ValueError(
             f"`w` must have rank >= 2 (a matrix or a kernel); got shape {tuple(w.shape)}."
         )
-    rows = 1
+    rows: int | None = 1
     for d in w.shape[:-1]:
         rows = None if rows is None or d is None else rows * d
     if w.shape[-1] == 0 or rows == 0:

@@ -1,0 +1,64 @@
+"""Type aliases for the public signatures, shared so each option reads the
+same everywhere (and an IDE lists a `Literal`'s values).
+
+Tensors are `Any`: a Keras tensor is a `jax.Array`, a `tf.Tensor`, a
+`torch.Tensor`, a `keras.KerasTensor` or a `keras.Variable` depending on the
+backend and the call, and Keras ships no types for them. `Tensor` marks what
+the package returns, `TensorLike` what it converts (`keras.ops.convert_to_tensor`:
+tensors, NumPy arrays, nested lists, numbers).
+
+The string options are the values the runtime checks accept (the tuples in
+`ops/_numerics.py`, `ops/divergences.py`, ...); those checks stay the
+authority, with their messages, for untyped callers.
+"""
+
+from typing import Any, Callable, Literal, Optional, Sequence, TypeAlias, Union
+
+Tensor: TypeAlias = Any
+TensorLike: TypeAlias = Any
+# A Keras dtype: a name such as "float32", a `keras.DTypePolicy`, or None
+# (Keras' default).
+DType: TypeAlias = Any
+
+Reduction: TypeAlias = Literal["sum", "mean", "none"]
+# l1, l2 and elastic_net also take Keras' activity-regularizer scale.
+MagnitudeReduction: TypeAlias = Literal["sum", "mean", "none", "sum_over_batch_size"]
+# What `keras.losses.Loss(reduction=...)` accepts.
+LossReduction: TypeAlias = Optional[
+    Literal["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none"]
+]
+Direction: TypeAlias = Literal["forward", "reverse", "symmetric"]
+Metric: TypeAlias = Literal["mse", "l1", "cosine", "kl", "js"]
+OrthogonalityMode: TypeAlias = Literal["soft", "hard", "spectral"]
+OrthogonalityAxis: TypeAlias = Literal["columns", "rows"]
+EntropyMode: TypeAlias = Literal["penalty", "bonus"]
+Divergence: TypeAlias = Literal["kl", "js"]
+Weighting: TypeAlias = Optional[Literal["uncertainty", "famo"]]
+Center: TypeAlias = Union[float, Literal["mean"], None]
+ChunkSize: TypeAlias = Union[int, Literal["auto"], None]
+
+# The `keras_penalties.ops` functions a `Term` (or a term's metric) may name.
+PenaltyName: TypeAlias = Literal[
+    "consistency",
+    "cross_entropy",
+    "elastic_net",
+    "entropy",
+    "gaussian_kl",
+    "js_divergence",
+    "kl_divergence",
+    "kl_sparsity",
+    "l1",
+    "l2",
+    "orthogonality",
+    "output_magnitude",
+]
+# A term's penalty: an ops function's name, or a callable of tensors (an ops
+# function, a Regularizer, a Loss, any function returning a scalar).
+Penalty: TypeAlias = Union[PenaltyName, Callable[..., Any]]
+# A term's weight: a number, or a schedule of the training step (a
+# `keras.optimizers.schedules.LearningRateSchedule` or any callable of it).
+Weight: TypeAlias = Union[float, Callable[[Any], Any]]
+# The inputs a term reads: a dict key or list position, or a sequence of them.
+InputKeys: TypeAlias = Union[str, int, Sequence[Union[str, int]], None]
+# Keras callbacks' `logs`.
+Logs: TypeAlias = Optional[dict[str, Any]]
