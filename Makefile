@@ -15,8 +15,10 @@ BACKEND ?=
 
 # TensorFlow's C++ start-up logging buries the output a newcomer should read.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
+# mkdocs-material prints a boxed notice about MkDocs 2 on every build.
+export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +49,7 @@ INTEGRATION_TESTS := tests/test_objective.py tests/test_composite_loss.py tests/
 	tests/test_monitor.py tests/test_saving.py tests/test_training_settings.py
 
 $(VENV)/.installed-test: $(PY) pyproject.toml constraints.txt
-	$(PIP) -e ".[all-cpu,test]"
+	$(PIP) -e ".[all-cpu,test,docs]"
 	$(PIP) --no-deps $(KERAS_HUB)
 	$(PY) -m pip install --quiet --no-deps --upgrade --target $(KERAS_OLDEST_PATH) keras==$(KERAS_OLDEST)
 	touch $@
@@ -69,8 +71,11 @@ TEST_WORKERS_tensorflow ?= 2
 TEST_WORKERS_torch ?= 0
 
 # The whole suite once per backend, the integration tests once per backend
-# on the oldest Keras, then the package as PyPI would get it (sdist and wheel,
-# `twine check --strict`); fails if any of them fails.
+# on the oldest Keras, the type check (mypy on keras_penalties/, configured
+# in pyproject.toml: 2 s), then the package as PyPI would get it (sdist and
+# wheel, `twine check --strict`), then the documentation site (`mkdocs build
+# --strict`: a broken link, anchor or docstring fails it); fails if any of
+# them fails.
 test: $(VENV)/.installed-test
 	@failed=""; \
 	workers_jax=$(TEST_WORKERS_jax); workers_tensorflow=$(TEST_WORKERS_tensorflow); workers_torch=$(TEST_WORKERS_torch); \
@@ -83,14 +88,23 @@ test: $(VENV)/.installed-test
 		PYTHONPATH=$(KERAS_OLDEST_PATH) KERAS_BACKEND=$$b $(PY) -m pytest -n $$n $(INTEGRATION_TESTS) \
 			|| failed="$$failed $$b-keras-$(KERAS_OLDEST)"; \
 	done; \
+	echo "== types: mypy"; \
+	$(PY) -m mypy || failed="$$failed types"; \
 	echo "== package: build, twine check"; \
 	dist=$$(mktemp -d); \
 	{ $(PY) -m build --no-isolation --outdir $$dist . > $$dist/build.log 2>&1 \
 		&& $(PY) -m twine check --strict $$dist/*.whl $$dist/*.tar.gz; } \
 		|| { cat $$dist/build.log; failed="$$failed package"; }; \
 	rm -rf $$dist; \
+	echo "== docs: mkdocs build --strict"; \
+	if $(DOCS_PYTHON); then \
+		site=$$(mktemp -d); \
+		$(PY) -m mkdocs build --strict --quiet --site-dir $$site/site > $$site/docs.log 2>&1 \
+			|| { cat $$site/docs.log; failed="$$failed docs"; }; \
+		rm -rf $$site; \
+	else echo "skipped: the docs extra needs Python 3.11+"; fi; \
 	if [ -n "$$failed" ]; then echo "make test: failed on:$$failed"; exit 1; fi; \
-	echo "make test: passed on $(BACKENDS) and the package check"
+	echo "make test: passed on $(BACKENDS), the type check, the package check and the docs build"
 
 # Benchmarks (not tests): `make bench`, or `make bench BACKEND=jax` for one backend.
 # Writes bench/results/<backend>.json and .md.
@@ -103,7 +117,21 @@ bench: $(VENV)/.installed-bench
 		echo "== KERAS_BACKEND=$$b"; \
 		KERAS_BACKEND=$$b $(PY) -m bench.run || exit 1; \
 	done; \
-	$(PY) -m bench.summary --readme
+	$(PY) -m bench.summary --page
+
+# The documentation site (mkdocs.yml, docs/, the guides rendered by
+# docs/hooks.py): `make docs` builds it into site/ with --strict, so a broken
+# reference or link fails; `.venv/bin/mkdocs serve` previews it while editing.
+# Its packages (the docs extra) need Python 3.11+.
+DOCS_PYTHON := $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'
+
+$(VENV)/.installed-docs: $(PY) pyproject.toml constraints.txt
+	@$(DOCS_PYTHON) || { echo "make docs needs Python 3.11+ in $(VENV) (make clean; make docs PYTHON=python3.11)"; exit 1; }
+	$(PIP) -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .mypy_cache site

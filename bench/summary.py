@@ -1,7 +1,8 @@
-"""Combines bench/results/<backend>.json into one markdown table (the README's).
+"""Combines bench/results/<backend>.json into one markdown table (the
+documentation's performance page, docs/performance.md).
 
-    python -m bench.summary            # print it
-    python -m bench.summary --readme   # also put it in README.md's Performance section
+    python -m bench.summary          # print it
+    python -m bench.summary --page   # also put it in docs/performance.md
 
 The case list comes from bench.cases, which imports Keras: without a
 KERAS_BACKEND it runs on the first backend that has results (JAX's results
@@ -14,7 +15,7 @@ import pathlib
 import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-README = pathlib.Path(__file__).parent.parent / "README.md"
+PAGE = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
 MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -54,10 +55,10 @@ def table():
 def main():
     text = table()
     print(text)
-    if "--readme" in sys.argv[1:]:
-        readme = README.read_text()
-        start, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
-        README.write_text(readme[:start] + "\n" + text + "\n" + readme[end:])
+    if "--page" in sys.argv[1:]:
+        page = PAGE.read_text()
+        start, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
+        PAGE.write_text(page[:start] + "\n" + text + "\n" + page[end:])
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ figure.savefig(pathlib.Path(tempfile.mkdtemp()) / "gradnorm.png")
 ## Which to use
 
 `bench/multitask.py` runs this problem (4096 samples) for 30 and 100
-epochs on every backend; the README's "Multi-task weighting" has the table.
+epochs on every backend; [Multi-task weighting](../docs/performance.md#multi-task-weighting)
+on the Performance page has the table.
 From those numbers:
 
 - A long enough run for learned weights to settle (100 epochs there):

@@ -122,8 +122,9 @@ With a teacher model rather than its logits, use
 (T²·KL from logits, right alone or in a list, with `sample_weight` as the
 token mask; Keras' own `Distiller` drops a single loss's
 `distillation_loss_weights` and its default `LogitsDistillation` loss has no
-softmax: see the README). To leave the logits unformed altogether, see
-guides/distilling_a_language_model.py.
+softmax: see [the Distiller](../docs/distillation.md#a-distiller-that-keeps-what-keras-drops)).
+To leave the logits unformed altogether, see
+[distilling a language model](distilling_a_language_model.py).
 """
 
 vocab, length, prompt = 32, 10, 4

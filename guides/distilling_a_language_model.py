@@ -108,7 +108,7 @@ if keras_hub is not None:
     print(f"per step, not formed: 3 arrays of [{tokens_per_step}, {VOCAB}] float32 = {formed / 2**20:.1f} MB "
           f"(the logits a chunk forms: [{CHUNK}, {VOCAB}], {CHUNK * VOCAB * 4 / 2**20:.2f} MB each)")
     print(f"at 16384 tokens × a 256000 vocabulary: {3 * 16384 * 256000 * 4 / 1e9:.1f} GB not formed; "
-          "measured peaks are in the README's Performance section")
+          "measured peaks are on the Performance page (docs/performance.md)")
 
 """
 ## 3. A causal LM that owns its head
