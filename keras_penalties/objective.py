@@ -193,15 +193,13 @@ class CompositeObjective(Composite, keras.layers.Layer):
         # objective's first call of the step).
         update = bool(training) and not state["losses"]
         self._add_loss_of_pass(state, self._total(values, state["weights"], update=update))
-        row = np.zeros((2, 1), "float32")
-        row[_EVAL if not training else _TRAIN] = 1.0
-        row = ops.convert_to_tensor(row)
         if self.metric_keys:
             values = ops.concatenate([values, ops.stack(self._metric_values(floats))])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
-        self.value_sums.assign(self.value_sums.value + row * values[None, :])
-        self.value_counts.assign(self.value_counts.value + row[:, 0])
+        row = _TRAIN if training else _EVAL
+        backend.add_to_row(self.value_sums, row, values)
+        backend.add_to_row(self.value_counts, row, 1.0)
         return inputs
 
     def _check_famo_across_replicas(self):

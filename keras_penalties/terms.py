@@ -152,14 +152,21 @@ def _has_optimizer(model, _):
 
 def as_float32(tensors):
     """Half-precision tensors of a structure as float32 copies; the others as they are."""
-    return keras.tree.map_structure(
-        lambda t: ops.cast(t, "float32") if hasattr(t, "dtype") and num.is_half(t.dtype) else t, tensors
-    )
+    if not isinstance(tensors, (list, tuple, dict)):
+        # A lone tensor, what most objectives get: no structure to walk
+        # (keras.tree's walk is most of this function's time on eager torch).
+        return _as_float32(tensors)
+    return keras.tree.map_structure(_as_float32, tensors)
+
+
+def _as_float32(t):
+    return ops.cast(t, "float32") if hasattr(t, "dtype") and num.is_half(t.dtype) else t
 
 
 def scalar(name, value):
     """A term's value as a float32 scalar; anything else is an error naming it."""
-    value = ops.convert_to_tensor(value)
+    if not ops.is_tensor(value):
+        value = ops.convert_to_tensor(value)
     if len(value.shape) == 1 and value.shape[0] == 0:
         # A Keras Loss hands an empty batch's per-sample values back unreduced.
         value = ops.sum(value)
@@ -168,7 +175,7 @@ def scalar(name, value):
             f"Term {name!r} must return a scalar; it returned shape {tuple(value.shape)}. "
             "Use a reduction such as reduction='mean'."
         )
-    return ops.cast(value, "float32")
+    return value if keras.backend.standardize_dtype(value.dtype) == "float32" else ops.cast(value, "float32")
 
 
 def loss_result(loss, value):

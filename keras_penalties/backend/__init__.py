@@ -28,6 +28,9 @@ organises `keras/src/backend/`:
 - `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
   `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
+- `sum_abs(x)`: Σ|x| in one pass over x (a 1-norm).
+- `add_to_row(variable, row, values)`: variable[row] += values, for the
+  running values of a composite (in place on torch).
 - `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
   elastic-net proximal step of `ProximalDecay`, in place on each variable
   (`torch._foreach_*` calls on torch).
@@ -62,7 +65,9 @@ parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
+sum_abs = _module.sum_abs
 proximal_step = _module.proximal_step
+add_to_row = _module.add_to_row
 unit_clip = _module.unit_clip
 map_chunks = _module.map_chunks
 chunked_sum = _module.chunked_sum
@@ -76,6 +81,7 @@ HEAD_CHUNK_ELEMENTS = _module.HEAD_CHUNK_ELEMENTS
 __all__ = [
     "CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",
+    "add_to_row",
     "chunked_sum",
     "gradients",
     "loss_replicas",
@@ -86,6 +92,7 @@ __all__ = [
     "proximal_step",
     "replicas_in_sync",
     "softmax_pair",
+    "sum_abs",
     "sum_of_squares",
     "sum_over_replicas",
     "unit_clip",

@@ -3,6 +3,7 @@ answers of the replica functions (JAX's distribution works on global arrays;
 Keras has no torch distribution)."""
 
 import keras
+import numpy as np
 from keras import ops
 
 
@@ -24,12 +25,26 @@ def sum_of_squares(x):
     return ops.sum(ops.square(x))
 
 
+def sum_abs(x):
+    """Σ|x| over all of x, as a 1-norm: one reduction (under XLA and on TF
+    the same loop as abs-then-sum). Its gradient is sign(x), 0 at 0."""
+    return ops.norm(ops.reshape(x, (-1,)), ord=1)
+
+
 def map_chunks(fn, chunks, dtype):
     """`fn` over the leading axis of the tuple `chunks`, stacked (values of
     `dtype`), each chunk recomputed in the backward pass: a scan
     (`keras.ops.map`) of `keras.remat(fn)`, so XLA keeps one chunk's
     temporaries at a time."""
     return ops.map(keras.remat(fn), chunks)
+
+
+def add_to_row(variable, row, values):
+    """variable[row] += values, for a [rows, ...] state variable, a Python
+    int `row` and `values` of the shape of one row (a float for [rows])."""
+    one_hot = np.zeros((variable.shape[0],) + (1,) * (len(variable.shape) - 1), "float32")
+    one_hot[row] = 1.0
+    variable.assign(variable.value + ops.convert_to_tensor(one_hot) * ops.expand_dims(ops.cast(values, "float32"), 0))
 
 
 def proximal_step(variables, threshold, shrink, center):

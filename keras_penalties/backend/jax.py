@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from keras import ops
 
 from keras_penalties.backend._common import (  # noqa: F401
+    add_to_row,
     loss_replicas,
     map_chunks,
     norm,
@@ -15,6 +16,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     proximal_step,
     replicas_in_sync,
     softmax_pair,
+    sum_abs,
     sum_of_squares,
     sum_over_replicas,
     unit_clip,

@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras import ops
 
 from keras_penalties import _keras_internals
-from keras_penalties.backend._common import norm, proximal_step, sum_of_squares, unit_clip  # noqa: F401
+from keras_penalties.backend._common import add_to_row, norm, proximal_step, sum_abs, sum_of_squares, unit_clip  # noqa: F401
 
 # chunk_size="auto" (bench/results/README.md): 128 rows of a 32000
 # vocabulary (they stay in cache) beat 512 rows and no chunking for logits;

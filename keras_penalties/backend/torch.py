@@ -3,6 +3,8 @@
 import keras
 import torch
 
+from keras_penalties import _keras_internals
+from keras_penalties.backend import _common
 from keras_penalties.backend._common import (  # noqa: F401
     TINY,
     loss_replicas,
@@ -179,6 +181,17 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
 
 
+def add_to_row(variable, row, values):
+    """As `_common.add_to_row`, in place: one add of the row instead of
+    four eager ops over the whole variable (the running term values, at
+    every call of an objective). In a stateless scope (a probe) the
+    variable's value is the scope's, which is assigned as Keras does."""
+    if _keras_internals.in_stateless_scope():
+        return _common.add_to_row(variable, row, values)
+    with torch.no_grad():
+        variable.value[row].add_(values)
+
+
 def proximal_step(variables, threshold, shrink, center):
     """As `_common.proximal_step`, as `torch._foreach_*` calls on the
     variables' tensors in place, as Keras' torch Adam updates them. The
@@ -233,6 +246,14 @@ def unit_clip(grads, weights, clip_factor, eps):
 
 def _is_half(dtype):
     return dtype in (torch.float16, torch.bfloat16)
+
+
+def sum_abs(x):
+    """Σ|x| as one `vector_norm` call: eager abs-then-sum writes and reads a
+    copy of x (7x one NumPy pass over 10^7 elements), and keras.ops'
+    reshape-then-norm made an objective's L1 term on [256, 512] take 207 µs
+    a call against 190 µs with this."""
+    return torch.linalg.vector_norm(x, ord=1)
 
 
 def sum_of_squares(x):

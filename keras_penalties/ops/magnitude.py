@@ -35,20 +35,13 @@ def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(ops.abs(x), dtype)
-    return num.from_compute(num.scale_sum(_sum_abs(x), x, reduction), dtype)
+    return num.from_compute(num.scale_sum(backend.sum_abs(x), x, reduction), dtype)
 
 
-# Σ|x| as a 1-norm is a single reduction: on eager torch abs-then-sum wrote
-# and read a second copy of x (7x the time of one NumPy pass over 10^7
-# elements); under XLA and on TF it is the same loop as before. Its gradient
-# is sign(x), 0 at 0. Σx² is `backend.sum_of_squares`: a dot product on torch
-# for the same reason, square-then-sum elsewhere (on TF x·x is a
-# matrix-vector product that made the bench's fit step 20 % slower; see
-# bench/results/README.md).
-
-
-def _sum_abs(x: Tensor) -> Tensor:
-    return ops.norm(ops.reshape(x, (-1,)), ord=1)
+# Σ|x| is `backend.sum_abs` and Σx² `backend.sum_of_squares`: each a single
+# reduction over x (on eager torch abs-then-sum or square-then-sum writes
+# and reads a second copy of x), and on TF x·x would be a matrix-vector
+# product that made the bench's fit step 20 % slower (bench/results/README.md).
 
 
 def _center(name: str, value: Any) -> Center:
@@ -115,7 +108,7 @@ def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeRed
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
-    total = l1_ratio * _sum_abs(x) + (1.0 - l1_ratio) * backend.sum_of_squares(x)
+    total = l1_ratio * backend.sum_abs(x) + (1.0 - l1_ratio) * backend.sum_of_squares(x)
     return num.from_compute(num.scale_sum(total, x, reduction), dtype)
 
 
