@@ -67,8 +67,8 @@ class KLDivergence(_PenaltyLoss):
         temperature: T > 0 applied to both (distillation temperature).
         axis: the class axis.
         reduction, name, dtype: as for any `keras.losses.Loss`.
-        chunk_size: None, or rows per rematerialised chunk for LLM-sized
-            logits (`ops.kl_divergence`).
+        chunk_size: None, "auto", or rows per chunk for LLM-sized logits
+            (`ops.kl_divergence`).
 
     A token mask is Keras' own: a `y_pred` carrying a Keras mask (from
     `Embedding(mask_zero=True)` or `Masking`) counts its kept positions only,

@@ -11,9 +11,10 @@ organises `keras/src/backend/`:
 - `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
   that backend (shared exp under XLA; exp(log_softmax) on TF).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
-  of tensors, stacked, each chunk recomputed in the backward pass
-  (`keras.ops.map` of `keras.remat`; on torch a loop over `unbind`; on TF
-  one loop under a custom gradient that keeps each row's gradient instead).
+  of tensors, stacked, one chunk at a time, each row's gradient formed
+  with its value so that the backward pass recomputes nothing (a
+  `custom_vjp` scan on JAX, a custom gradient's loop on TF, an
+  `autograd.Function`'s loop on torch).
 - `chunked_sum(fn, rows, shared, weights, chunk_size, dtype)`: the scalar
   Σᵣ weights[r]·fn(chunk of `rows`, `shared`)[r] over chunks of
   `chunk_size` rows, whose gradient w.r.t. the rows and `shared` (e.g.

@@ -31,14 +31,6 @@ def sum_abs(x):
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
 
 
-def map_chunks(fn, chunks, dtype):
-    """`fn` over the leading axis of the tuple `chunks`, stacked (values of
-    `dtype`), each chunk recomputed in the backward pass: a scan
-    (`keras.ops.map`) of `keras.remat(fn)`, so XLA keeps one chunk's
-    temporaries at a time."""
-    return ops.map(keras.remat(fn), chunks)
-
-
 def add_to_row(variable, row, values):
     """variable[row] += values, for a [rows, ...] state variable, a Python
     int `row` and `values` of the shape of one row (a float for [rows])."""

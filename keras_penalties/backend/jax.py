@@ -10,7 +10,6 @@ from keras import ops
 from keras_penalties.backend._common import (  # noqa: F401
     add_to_row,
     loss_replicas,
-    map_chunks,
     norm,
     outside_distribution,
     proximal_step,
@@ -57,6 +56,57 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
         return run([v.value for v in trainable], [v.value for v in others], x, y)
 
     return probe
+
+
+def map_chunks(fn, chunks, dtype):
+    """`fn` over the leading axis of the tuple `chunks`, stacked (values of
+    `dtype`), without recomputing any chunk in the backward pass.
+
+    A `custom_vjp` whose forward rule is one `lax.scan` that forms, with
+    each chunk's values, each row's gradient of its own value (a row's value
+    depends on that row alone, so the gradient of the chunk's sum is
+    exactly that) for the inputs JAX differentiates (`symbolic_zeros`: a
+    frozen teacher's rows cost nothing); the backward pass only scales
+    those rows by the upstream gradient, as on TF and torch. Without
+    differentiation it is a plain `lax.map`. The first version,
+    `ops.map(keras.remat(fn))`, ran every chunk's forward pass again in
+    the backward pass (bench/results/README.md). First order only.
+    """
+    chunks = tuple(chunks)
+    dtypes = [c.dtype for c in chunks]
+
+    def is_float(x):
+        return jnp.issubdtype(x.dtype, jnp.floating)
+
+    @jax.custom_vjp
+    def mapped(*chunks):
+        return jax.lax.map(fn, chunks)
+
+    def forward(*primals):
+        values = tuple(p.value for p in primals)
+        wanted = [j for j, p in enumerate(primals) if p.perturbed and is_float(p.value)]
+
+        def step(_, chunk):
+            def chunk_values(*watched):
+                full = list(chunk)
+                for j, x in zip(wanted, watched):
+                    full[j] = x
+                return fn(tuple(full))
+
+            rows, pullback = jax.vjp(chunk_values, *[chunk[j] for j in wanted])
+            grads = dict(zip(wanted, pullback(jnp.ones_like(rows))))
+            return None, (rows, [grads[j].astype(dtype) if j in grads else None for j in range(len(chunk))])
+
+        _, (rows, grads) = jax.lax.scan(step, None, values)
+        return rows, grads
+
+    def backward(grads, upstream):
+        return tuple(
+            None if g is None else (g * upstream[..., None].astype(g.dtype)).astype(d) for g, d in zip(grads, dtypes)
+        )
+
+    mapped.defvjp(forward, backward, symbolic_zeros=True)
+    return mapped(*chunks)
 
 
 def project(rows, kernel, transpose_kernel):

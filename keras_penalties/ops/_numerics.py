@@ -434,13 +434,11 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
 
     With `chunk_size`, the rows of the tensors (every axis but `axis`,
     flattened) are taken `chunk_size` at a time under `backend.map_chunks`
-    (`ops.map` of `keras.remat`, a scan; a loop over `unbind` on torch),
-    each chunk cast and computed there: the backward pass recomputes a
-    chunk instead of keeping its temporaries (on TF a custom gradient keeps
-    each row's gradient, formed with its value, instead), so value +
-    gradient hold O(chunk_size × classes) of them rather than
-    O(rows × classes). A map, not a Python loop: XLA keeps every slice of
-    an unrolled loop alive. The row count may be known only at run time;
+    (a scan on JAX, a while loop on TF, a loop over `unbind` on torch),
+    each chunk cast and computed there with each row's gradient, so that
+    value + gradient hold O(chunk_size × classes) temporaries rather than
+    O(rows × classes), and the backward pass recomputes nothing. A scan,
+    not a Python loop: XLA keeps every slice of an unrolled loop alive. The row count may be known only at run time;
     rows short of a whole chunk are padded with ones (finite as logits and
     as probabilities; label 0) and dropped.
     """

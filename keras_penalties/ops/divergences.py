@@ -89,9 +89,8 @@ def kl_divergence(
         chunk_size: None, "auto", or an int >= 1: compute the per-sample
             values `chunk_size` rows at a time (the rows are every position,
             all axes but `axis` flattened), one chunk's temporaries alive at
-            a time, forward and backward (a scan of rematerialised chunks on
-            JAX; on TensorFlow and torch one loop that forms each row's
-            gradient with its value). `"auto"` picks the rows from the
+            a time, forward and backward (one loop, a scan on JAX, that
+            forms each row's gradient with its value; first order only). `"auto"` picks the rows from the
             number of classes: the elements per chunk measured fastest on
             that backend (about 16 M on JAX, 4 M on TensorFlow and torch;
             8 M, 16 M and 8 M from `ops.linear(...)` inputs). Value +
