@@ -101,12 +101,22 @@ def map_chunks(fn, chunks, dtype):
         return rows, grads
 
     def backward(grads, upstream):
-        return tuple(
-            None if g is None else (g * upstream[..., None].astype(g.dtype)).astype(d) for g, d in zip(grads, dtypes)
-        )
+        return tuple(None if g is None else _scale_rows(g, upstream).astype(d) for g, d in zip(grads, dtypes))
 
     mapped.defvjp(forward, backward, symbolic_zeros=True)
     return mapped(*chunks)
+
+
+def _scale_rows(grads, upstream):
+    """grads[i] *= upstream[i] chunk by chunk, in the kept buffer: a loop
+    that updates its carry in place. A plain `grads * upstream[..., None]`
+    made XLA write a second buffer the size of the gradient (masked KL on
+    [8192, 32000]: 1.25 GB of temporaries against 0.31 GB)."""
+
+    def step(i, g):
+        return jax.lax.dynamic_update_index_in_dim(g, g[i] * upstream[i][..., None].astype(g.dtype), i, 0)
+
+    return jax.lax.fori_loop(0, grads.shape[0], step, grads)
 
 
 def project(rows, kernel, transpose_kernel):
