@@ -136,7 +136,8 @@ LLM_CASES = [
     for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
 ] + [
     # chunk_size="auto": the backend's element budget over the vocabulary
-    # (JAX 512 rows of 32000 and 130 of 128256; TF and torch 131 and 32).
+    # (8192 rows of 32000 and 4096 of 128256: JAX 512 and 128 rows, TF 32
+    # and 8, torch 128 and 32).
     Case(
         f"masked {name} value+grad {list(shape)}, chunk_size=auto",
         _PEER,

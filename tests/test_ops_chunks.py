@@ -220,13 +220,13 @@ def test_auto_chunks_take_the_backends_element_budget_over_the_classes(name, mon
     from keras_penalties import backend
     from keras_penalties.ops import _numerics as num
 
-    # The measured budgets: 16 M elements on JAX, 4 M on TF and torch.
-    expected = {"jax": 16 * 2**20, "tensorflow": 4 * 2**20, "torch": 4 * 2**20}[BACKEND]
-    rows = expected // 32000  # 524 on JAX, 131 on TF and torch
+    # The measured budgets: 16 M elements on JAX, 1 M on TF, 4 M on torch.
+    expected = {"jax": 16 * 2**20, "tensorflow": 2**20, "torch": 4 * 2**20}[BACKEND]
+    rows = expected // 32000  # 524 on JAX, 32 on TF, 131 on torch
     assert num.chunk_rows("auto", 32000, 8191 * 3) == rows  # no divisor of 8191·3 in [rows/2, rows]
     # 8192 rows: the largest power of two within the budget, so no padded copy.
-    assert num.chunk_rows("auto", 32000, 8192) == {"jax": 512}.get(BACKEND, 128)
-    assert num.chunk_rows("auto", 128256, 4096) == {"jax": 128}.get(BACKEND, 32)
+    assert num.chunk_rows("auto", 32000, 8192) == {"jax": 512, "tensorflow": 32}.get(BACKEND, 128)
+    assert num.chunk_rows("auto", 128256, 4096) == {"jax": 128, "tensorflow": 8}.get(BACKEND, 32)
     assert num.chunk_rows("auto", 10**9, 8) == 1 and num.chunk_rows("auto", 7, 12) == 12
     assert num.chunk_rows(64, 7, 12) == 64
     # 5 rows of 7 classes: a partial last chunk of the 12 rows; the values

@@ -90,10 +90,11 @@ def kl_divergence(
             values `chunk_size` rows at a time (the rows are every position,
             all axes but `axis` flattened), one chunk's temporaries alive at
             a time, forward and backward (one loop, a scan on JAX, that
-            forms each row's gradient with its value; first order only). `"auto"` picks the rows from the
-            number of classes: the elements per chunk measured fastest on
-            that backend (about 16 M on JAX, 4 M on TensorFlow and torch;
-            8 M, 16 M and 8 M from `ops.linear(...)` inputs). Value +
+            forms each row's gradient with its value; first order only).
+            `"auto"` picks the rows from the number of classes: the
+            elements per chunk measured fastest on that backend (about
+            16 M on JAX, 1 M on TensorFlow, 4 M on torch; 8 M, 16 M and
+            8 M from `ops.linear(...)` inputs). Value +
             gradient then hold temporaries of `chunk_size × classes` instead
             of the whole array's: for LLM logits, e.g. [8192, 128256]. With
             `ops.linear(...)` inputs the logits themselves are formed a
