@@ -419,3 +419,60 @@ def add_noise(grads, sigma, step):
     import torch
 
     return [g + sigma * torch.randn_like(g) for g in grads]
+
+
+def adaptive_clip(grads, weights, clip_factor=0.01, eps=1e-3):
+    """Unit-wise adaptive gradient clipping (Brock et al., 2021) the way each
+    backend's users write it, for Keras' layout (units on the last axis):
+    on JAX optax's `adaptive_grad_clip`; on torch timm's
+    `adaptive_clip_grad` (norms from `Tensor.norm`, `torch.where`, the
+    result copied into the gradient) over every axis but the last; on TF the same in tf ops."""
+    if BACKEND == "jax":
+        import optax
+
+        clipped, _ = optax.adaptive_grad_clip(clip_factor, eps).update(list(grads), None, list(weights))
+        return clipped
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def unit_norm(x):  # tf.norm takes one axis or two: √Σx² over the others
+            return tf.sqrt(tf.reduce_sum(tf.square(x), axis=list(range(len(x.shape) - 1)) or None, keepdims=True))
+
+        out = []
+        for g, w in zip(grads, weights):
+            max_norm = clip_factor * tf.maximum(unit_norm(w), eps)
+            g_norm = unit_norm(g)
+            out.append(tf.where(g_norm < max_norm, g, g * (max_norm / tf.maximum(g_norm, 1e-6))))
+        return out
+    import torch
+
+    def unit_norm(x):
+        return x.norm(2) if x.ndim <= 1 else x.norm(2, dim=tuple(range(x.ndim - 1)), keepdim=True)
+
+    out = []
+    with torch.no_grad():
+        for g, w in zip(grads, weights):
+            max_norm = unit_norm(w).clamp_(min=eps).mul_(clip_factor)
+            g_norm = unit_norm(g)
+            # timm writes the result into p.grad in place.
+            out.append(g.copy_(torch.where(g_norm < max_norm, g, g * (max_norm / g_norm.clamp(min=1e-6)))))
+    return out
+
+
+def centralize(grads):
+    """Gradient centralization (Yong et al., 2020), g − mean of g over every
+    axis but the last for rank ≥ 2, the way each backend's users write it:
+    optax's `centralize` on JAX (which takes the mean over every axis but the
+    first, PyTorch's layout; here Keras'), the paper's
+    `grad.add_(-grad.mean(...))` on torch (in place: Keras' torch trainer
+    hands the optimizer each variable's `.grad`), tf ops on TF."""
+    if BACKEND == "jax":
+        return [g - g.mean(tuple(range(g.ndim - 1)), keepdims=True) if g.ndim > 1 else g for g in grads]
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return [g - tf.reduce_mean(g, axis=list(range(len(g.shape) - 1)), keepdims=True) if len(g.shape) > 1 else g for g in grads]
+    import torch
+
+    with torch.no_grad():  # in place, as the paper's code does
+        return [g.sub_(g.mean(dim=tuple(range(g.ndim - 1)), keepdim=True)) if g.ndim > 1 else g for g in grads]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bench import run, summary
@@ -93,3 +94,38 @@ def test_the_summary_imports_only_the_framework_of_its_results():
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "['jax']"  # the first backend with results
+
+
+def test_the_hand_written_transforms_compute_what_the_wrappers_do():
+    # The rows "… vs the clipping by hand" / "… centralization by hand"
+    # compare speed with a peer's code (optax on JAX, timm's and the
+    # paper's on torch): it must be the same math, or the ratio means
+    # nothing. Ranks 1, 2 and 4 (optax treats rank 3 as multi-head).
+    from bench import native
+    from keras import ops
+
+    from keras_penalties import backend
+    from keras_penalties.optimizers import GradientCentralization
+
+    rng = np.random.default_rng(0)
+    shapes = [(6,), (7, 5), (2, 3, 4, 5)]
+    weights = [rng.normal(size=s).astype("float32") for s in shapes]
+    # Per-unit gradient scales from 1e-4 to 1: some units clipped, some not.
+    grads = [rng.normal(size=s).astype("float32") * 10.0 ** rng.uniform(-4, 0, size=s[-1:]).astype("float32") for s in shapes]
+
+    def tensors(arrays):  # fresh tensors: torch's hand-written code works in place
+        return [ops.convert_to_tensor(a.copy()) for a in arrays]
+
+    ours = backend.unit_clip(tensors(grads), tensors(weights), 0.01, 1e-3)
+    theirs = native.adaptive_clip(tensors(grads), tensors(weights), 0.01, 1e-3)
+    clipped = 0
+    for g, a, b in zip(grads, ours, theirs):
+        a, b = ops.convert_to_numpy(a), ops.convert_to_numpy(b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+        clipped += int(np.sum(~np.isclose(a, g)))
+    assert clipped > 0  # the clip engaged somewhere
+
+    centralization = GradientCentralization("sgd")
+    ours = [centralization._transform(g, None) for g in tensors(grads)]
+    for a, b in zip(ours, native.centralize(tensors(grads))):
+        np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
