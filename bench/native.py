@@ -424,7 +424,10 @@ def add_noise(grads, sigma, step):
 def adaptive_clip(grads, weights, clip_factor=0.01, eps=1e-3):
     """Unit-wise adaptive gradient clipping (Brock et al., 2021) the way each
     backend's users write it, for Keras' layout (units on the last axis):
-    on JAX optax's `adaptive_grad_clip`; on torch timm's
+    on JAX optax's `adaptive_grad_clip` (the same norms for ranks 1, 2 and
+    4, the bench MLP's; optax takes rank 3 as multi-head, axis 0 only, and
+    a tensor that squeezes to a vector, such as a [1, N] kernel, as one
+    unit); on torch timm's
     `adaptive_clip_grad` (norms from `Tensor.norm`, `torch.where`, the
     result copied into the gradient) over every axis but the last; on TF the same in tf ops."""
     if BACKEND == "jax":

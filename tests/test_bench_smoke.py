@@ -108,22 +108,27 @@ def test_the_hand_written_transforms_compute_what_the_wrappers_do():
     from keras_penalties.optimizers import GradientCentralization
 
     rng = np.random.default_rng(0)
-    shapes = [(6,), (7, 5), (2, 3, 4, 5)]
-    weights = [rng.normal(size=s).astype("float32") for s in shapes]
-    # Per-unit gradient scales from 1e-4 to 1: some units clipped, some not.
-    grads = [rng.normal(size=s).astype("float32") * 10.0 ** rng.uniform(-4, 0, size=s[-1:]).astype("float32") for s in shapes]
+    shapes = [(6,), (7, 5), (2, 3, 4, 5), (4,)]
+    weights = [rng.normal(size=s).astype("float32") for s in shapes[:-1]] + [np.zeros(4, "float32")]
+    # Per-unit gradient scales from 1e-4 to 1: some units clipped, some not;
+    # the last weight is 0 (a fresh bias): its limit is clip_factor·eps.
+    grads = [rng.normal(size=s).astype("float32") * np.logspace(-4, 0, s[-1], dtype="float32") for s in shapes]
 
     def tensors(arrays):  # fresh tensors: torch's hand-written code works in place
         return [ops.convert_to_tensor(a.copy()) for a in arrays]
 
     ours = backend.unit_clip(tensors(grads), tensors(weights), 0.01, 1e-3)
     theirs = native.adaptive_clip(tensors(grads), tensors(weights), 0.01, 1e-3)
-    clipped = 0
-    for g, a, b in zip(grads, ours, theirs):
+    for g, w, a, b in zip(grads, weights, ours, theirs):
         a, b = ops.convert_to_numpy(a), ops.convert_to_numpy(b)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
-        clipped += int(np.sum(~np.isclose(a, g)))
-    assert clipped > 0  # the clip engaged somewhere
+        # Which units the clip changed: each rank ≥ 2 tensor has both kinds,
+        # and the zero weight's gradient is clipped.
+        changed = np.any(~np.isclose(a, g, rtol=1e-6, atol=0), axis=tuple(range(g.ndim - 1)))
+        if g.ndim > 1:
+            assert changed.any() and not changed.all(), changed
+        elif not w.any():
+            assert changed.all()
 
     centralization = GradientCentralization("sgd")
     ours = [centralization._transform(g, None) for g in tensors(grads)]
