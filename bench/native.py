@@ -427,9 +427,9 @@ def adaptive_clip(grads, weights, clip_factor=0.01, eps=1e-3):
     on JAX optax's `adaptive_grad_clip` (the same norms for ranks 1, 2 and
     4, the bench MLP's; optax takes rank 3 as multi-head, axis 0 only, and
     a tensor that squeezes to a vector, such as a [1, N] kernel, as one
-    unit); on torch timm's
-    `adaptive_clip_grad` (norms from `Tensor.norm`, `torch.where`, the
-    result copied into the gradient) over every axis but the last; on TF the same in tf ops."""
+    unit); on torch timm's `adaptive_clip_grad` (norms from `Tensor.norm`,
+    `torch.where`, the result copied into the gradient) over every axis but
+    the last; on TF the same in tf ops."""
     if BACKEND == "jax":
         import optax
 
@@ -465,8 +465,9 @@ def adaptive_clip(grads, weights, clip_factor=0.01, eps=1e-3):
 def centralize(grads):
     """Gradient centralization (Yong et al., 2020), g − mean of g over every
     axis but the last for rank ≥ 2, the way each backend's users write it:
-    optax's `centralize` on JAX (which takes the mean over every axis but the
-    first, PyTorch's layout; here Keras'), the paper's
+    on JAX optax's `centralize` formula in jnp (optax's own takes the mean
+    over every axis but the first, PyTorch's layout, so it is not called
+    on Keras' [in, out] kernels), the paper's
     `grad.add_(-grad.mean(...))` on torch (in place: Keras' torch trainer
     hands the optimizer each variable's `.grad`), tf ops on TF."""
     if BACKEND == "jax":

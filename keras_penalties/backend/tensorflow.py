@@ -20,6 +20,9 @@ from keras_penalties.backend._common import add_to_row, norm, proximal_step, sum
 # [8192, 32000]: 683 ms, 128 rows 927 ms, raw TF 953 ms; on
 # [4096, 128256], 8 rows 1.30 s, 32 rows 1.81 s, raw TF 1.86 s): chunks
 # that stay in cache; 128 rows of 128256 beat 256 from hidden states.
+# Re-measured on a slower machine (issue 25, second round), the chunked
+# calls took x1.0-1.26 of raw TF at 32, 128 and 512 rows, none reliably
+# fastest: the 1 M budget stands on the one A/B above.
 CHUNK_ELEMENTS = 2**20
 HEAD_CHUNK_ELEMENTS = 16 * 2**20
 
