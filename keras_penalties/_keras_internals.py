@@ -97,6 +97,19 @@ def current_call_context():
     return global_state.get_global_attribute("current_call_ctx")
 
 
+def keras_mask(x):
+    """The Keras mask `x` carries (set by `Embedding(mask_zero=True)`,
+    `Masking`, …), or None; what `keras.losses.Loss.__call__` reads of its
+    `y_pred`.
+
+    Relies on: `keras.src.backend.common.masking.get_keras_mask`, the
+    `_keras_mask` tensor attribute (Keras 3.14 on, the package's range).
+    """
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(x)
+
+
 def own_losses(layer):
     """The losses `layer` itself added (`add_loss`, its activity
     regularizer) in its latest call, without its sublayers'.

@@ -17,10 +17,10 @@ import keras
 
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties import ops as penalties
-from keras_penalties._types import ChunkSize, Direction, DType, EntropyMode, LossReduction, Metric, Tensor, TensorLike
+from keras_penalties._types import ChunkSize, Direction, DType, EntropyMode, LossReduction, Metric, Reduction, Tensor, TensorLike
 from keras_penalties.objective import CompositeLoss
 from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
-from keras_penalties.terms import loss_result
+from keras_penalties.terms import loss_result, ops_reduction
 
 _PACKAGE = "keras_penalties.losses"
 _Loss = TypeVar("_Loss", bound="_PenaltyLoss")
@@ -37,11 +37,22 @@ class _PenaltyLoss(keras.losses.Loss):
         for key, value in self._options.items():
             setattr(self, key, value)
 
+    # Whether `call` reads y_true (Entropy's does not).
+    _reads_y_true = True
+
     def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
+        reduction = ops_reduction(self, y_true if self._reads_y_true else None, y_pred, sample_weight)
+        if reduction is not None:
+            # What Keras would compute, in the ops' own reduction.
+            return self._reduced(y_true, y_pred, reduction)
         return loss_result(self, super().__call__(y_true, y_pred, sample_weight))
 
     def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
-        return type(self).penalty(y_true, y_pred, reduction="none", **self._options)
+        return self._reduced(y_true, y_pred, "none")
+
+    def _reduced(self, y_true: Tensor, y_pred: Tensor, reduction: Reduction) -> Tensor:
+        """The penalty with the ops' `reduction` ("none": per sample)."""
+        return type(self).penalty(y_true, y_pred, reduction=reduction, **self._options)
 
     def get_config(self) -> dict[str, Any]:
         return with_hint({**super().get_config(), "dtype": self.dtype, **self._options})
@@ -134,6 +145,7 @@ class Entropy(_PenaltyLoss):
     penalty = staticmethod(penalties.entropy)
     # A term of a CompositeObjective may give it the prediction alone.
     needs_y_true = False
+    _reads_y_true = False
 
     def __init__(self, from_logits: bool = False, mode: EntropyMode = "penalty", normalize: bool = False,
                  temperature: float = 1.0, axis: int = -1, reduction: LossReduction = "sum_over_batch_size",
@@ -149,8 +161,8 @@ class Entropy(_PenaltyLoss):
         # try to convert it.
         return super().__call__(y_pred if y_true is None else y_true, y_pred, sample_weight)
 
-    def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
-        return ENTROPY_MODES[self.mode] * penalties.entropy(y_pred, reduction="none", **self._options)
+    def _reduced(self, y_true: Tensor, y_pred: Tensor, reduction: Reduction) -> Tensor:
+        return ENTROPY_MODES[self.mode] * penalties.entropy(y_pred, reduction=reduction, **self._options)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "mode": self.mode}

@@ -142,7 +142,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
     def _values(self, inputs):
         """Each term's unweighted value, in term order, stacked; `inputs`
         already as `as_float32` gives them."""
-        return ops.stack([term.value(name, inputs) for name, term in self.terms.items()])
+        return backend.stack([term.value(name, inputs) for name, term in self.terms.items()])
 
     def _metric_values(self, inputs):
         """Each term's custom metrics (`metric_keys` order), as a list of
@@ -494,7 +494,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
             if model is not None:
                 self.attach(model)
         self._no_weight_decay_on_log_variances()
-        values = ops.stack(
+        values = backend.stack(
             [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
         )
         values = whole_batch_values(values, self._sums_over_samples)

@@ -68,8 +68,9 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
             # must not overflow (or round) in half precision before the
             # factor scales it down (L1(1e-4) of 131072 float16 ones is 13.1).
             x = ops.cast(x, "float32")
-        value = self.value(x)
-        return ops.cast(self.factor, value.dtype) * value
+        # The factor multiplies as a Python number, in value's dtype (no
+        # cast op to make it a tensor first, at every step on eager torch).
+        return self.factor * self.value(x)
 
     def get_config(self) -> dict[str, Any]:
         return with_hint({"factor": self.factor, **self._options})

@@ -193,6 +193,30 @@ def test_entropy_ignores_y_true():
     np.testing.assert_allclose(to_numpy(L.Entropy()(None, y_pred)), to_numpy(L.Entropy()(y_pred * 0, y_pred)))
 
 
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_tensors_reduce_as_keras_loss_call_does(name, reduction, monkeypatch):
+    # On tensors of the loss's dtype with nothing to weigh or mask, a loss
+    # reduces with the ops' own reduction, without Keras' Loss.__call__
+    # (its per-call work is half an Entropy term's time on eager torch);
+    # Keras' own __call__ on the same tensors is the oracle.
+    loss, kind, _ = LOSSES[name]
+    loss = loss.__class__.from_config({**loss.get_config(), "reduction": reduction})
+    y_true, y_pred = (keras.ops.convert_to_tensor(t) for t in _batch(kind, seed=5))
+    expected = to_numpy(keras.losses.Loss.__call__(loss, y_true, y_pred))
+    calls = []
+    keras_call = keras.losses.Loss.__call__
+    monkeypatch.setattr(keras.losses.Loss, "__call__", lambda *a, **k: calls.append(1) or keras_call(*a, **k))
+    np.testing.assert_allclose(to_numpy(loss(y_true, y_pred)), expected, rtol=1e-6, atol=1e-7)
+    assert not calls
+    empty = keras.ops.zeros((0, 5))
+    assert float(to_numpy(loss(empty, empty))) == 0.0 and not calls
+    # Anything Keras' __call__ would do more than reduce goes through it.
+    loss(y_true, y_pred, sample_weight=keras.ops.ones((6,)))
+    loss(keras.ops.cast(y_true, "float16"), keras.ops.cast(y_pred, "float16"))
+    assert len(calls) == 2
+
+
 ERRORS = {
     "direction": (lambda: L.KLDivergence(direction="up"), ValueError, r"`direction` must be one of"),
     "temperature": (lambda: L.KLDivergence(temperature=-2.0), ValueError, r"`temperature` must be > 0"),

@@ -30,6 +30,8 @@ organises `keras/src/backend/`:
   `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `sum_abs(x)`: Σ|x| in one pass over x (a 1-norm).
+- `stack(tensors)`: `ops.stack` along a new first axis (`torch.stack` on
+  torch: without Keras' conversion of each tensor).
 - `add_to_row(variable, row, values)`: variable[row] += values, for the
   running values of a composite (in place on torch).
 - `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
@@ -67,6 +69,7 @@ replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
+stack = _module.stack
 proximal_step = _module.proximal_step
 add_to_row = _module.add_to_row
 unit_clip = _module.unit_clip
@@ -93,6 +96,7 @@ __all__ = [
     "proximal_step",
     "replicas_in_sync",
     "softmax_pair",
+    "stack",
     "sum_abs",
     "sum_of_squares",
     "sum_over_replicas",

@@ -31,6 +31,11 @@ def sum_abs(x):
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
 
 
+def stack(tensors):
+    """`ops.stack(tensors)` along a new first axis (a composite's term values)."""
+    return ops.stack(tensors)
+
+
 def add_to_row(variable, row, values):
     """variable[row] += values, for a [rows, ...] state variable, a Python
     int `row` and `values` of the shape of one row (a float for [rows])."""

@@ -15,6 +15,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     proximal_step,
     replicas_in_sync,
     softmax_pair,
+    stack,
     sum_abs,
     sum_of_squares,
     sum_over_replicas,

@@ -12,7 +12,9 @@ import tensorflow as tf
 from keras import ops
 
 from keras_penalties import _keras_internals
-from keras_penalties.backend._common import add_to_row, norm, proximal_step, sum_abs, sum_of_squares, unit_clip  # noqa: F401
+from keras_penalties.backend._common import (  # noqa: F401
+    add_to_row, norm, proximal_step, stack, sum_abs, sum_of_squares, unit_clip,
+)
 
 # chunk_size="auto" (bench/results/README.md): about 1 M elements of logits
 # per chunk, 32 rows of a 32000 vocabulary and 8 of 128256, were the

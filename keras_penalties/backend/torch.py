@@ -181,6 +181,13 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
 
 
+def stack(tensors):
+    """As `_common.stack`, as `torch.stack`: Keras' `ops.stack` converts each
+    tensor first, 17 µs against 2 µs for a composite's two term values, at
+    every call of an objective."""
+    return torch.stack(list(tensors))
+
+
 def add_to_row(variable, row, values):
     """As `_common.add_to_row`, in place: one add of the row instead of
     four eager ops over the whole variable (the running term values, at

@@ -228,14 +228,30 @@ def to_compute(*tensors):
     integer inputs are computed and returned in `keras.config.floatx()`.
     """
     tensors, compute, dtype = dtypes(*tensors)
-    return [ops.cast(t, compute) for t in tensors], dtype
+    return [cast_to(t, compute) for t in tensors], dtype
 
 
 def dtypes(*tensors):
     """`(tensors, compute_dtype, output_dtype)` without casting yet, for
     callers that cast piece by piece (`per_sample` with chunks)."""
-    tensors = [ops.convert_to_tensor(t) for t in tensors]
+    tensors = [as_tensor(t) for t in tensors]
     return (tensors, *dtype_pair(tensors))
+
+
+# Skipping the conversions that change nothing: on eager torch each Keras
+# `convert_to_tensor` or `cast` call costs microseconds of Python whatever
+# it does, and a fit step of the bench's MLP made 15 such casts and 8 such
+# conversions of the package's own (bench/results/README.md, issue 25).
+
+
+def as_tensor(x):
+    """`x` as a backend tensor (`ops.convert_to_tensor`); a tensor as it is."""
+    return x if ops.is_tensor(x) else ops.convert_to_tensor(x)
+
+
+def cast_to(x, dtype):
+    """`ops.cast(x, dtype)`, or `x` itself where it has that dtype already."""
+    return x if keras.backend.standardize_dtype(x.dtype) == dtype else ops.cast(x, dtype)
 
 
 def dtype_pair(tensors):
@@ -258,7 +274,7 @@ def _common_float_dtype(dtypes):
 
 
 def from_compute(x, dtype):
-    return ops.cast(x, dtype)
+    return cast_to(x, dtype)
 
 
 def is_half(dtype):
@@ -378,7 +394,9 @@ def scale_sum(total, x, reduction):
     if reduction == "sum":
         return total
     n = at_least_one(count(x)) if reduction == "mean" else batch_size(x)
-    return total / ops.cast(n, total.dtype)
+    # A size known now divides as a Python number: the same division,
+    # without a cast op to make it a tensor first.
+    return total / (n if isinstance(n, int) else ops.cast(n, total.dtype))
 
 
 def reduce(values, reduction):
@@ -444,7 +462,7 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
     """
     extra = {} if labels is None else {"labels": labels}
     if chunk_size is None:
-        return values_fn(*[ops.cast(t, compute) for t in tensors], axis=axis, **extra)
+        return values_fn(*[cast_to(t, compute) for t in tensors], axis=axis, **extra)
     last = len(tensors[0].shape) - 1
     if axis != last:
         tensors = [ops.moveaxis(t, axis, -1) for t in tensors]
