@@ -110,6 +110,19 @@ def keras_mask(x):
     return get_keras_mask(x)
 
 
+def torch_device():
+    """The device Keras' torch backend puts tensors on (what its
+    `convert_to_tensor` compares a tensor's device with); torch only.
+
+    Relies on: `keras.src.backend.torch.core.get_device` (Keras 3.0 on),
+    the `torch_device` global attribute a `keras.device` scope sets, else
+    the backend's default device.
+    """
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()
+
+
 def own_losses(layer):
     """The losses `layer` itself added (`add_loss`, its activity
     regularizer) in its latest call, without its sublayers'.

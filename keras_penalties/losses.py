@@ -3,7 +3,9 @@
 Each is a `keras.losses.Loss` over a function of `keras_penalties.ops`: `call`
 returns the per-sample values, and Keras' `Loss.__call__` applies
 `sample_weight`, masks and `reduction` ("sum_over_batch_size" by default) as
-for any Keras loss. `y_true` is the reference or target, `y_pred` the model's
+for any Keras loss. Where it would only reduce (float32 or float64 tensors of
+the loss's dtype, no sample weight, no mask, one replica), the ops function
+reduces them itself, the same arithmetic without Keras' per-call work. `y_true` is the reference or target, `y_pred` the model's
 output. All round-trip through `get_config`/`from_config` and are registered
 under the package `"keras_penalties.losses"`.
 
@@ -41,10 +43,12 @@ class _PenaltyLoss(keras.losses.Loss):
     _reads_y_true = True
 
     def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
-        reduction = ops_reduction(self, y_true if self._reads_y_true else None, y_pred, sample_weight)
-        if reduction is not None:
-            # What Keras would compute, in the ops' own reduction.
-            return self._reduced(y_true, y_pred, reduction)
+        # A subclass that overrides `call` goes through Keras as it expects.
+        if type(self).call is _PenaltyLoss.call:
+            reduction = ops_reduction(self, y_true if self._reads_y_true else None, y_pred, sample_weight)
+            if reduction is not None:
+                # What Keras would compute, in the ops' own reduction.
+                return self._reduced(y_true, y_pred, reduction)
         return loss_result(self, super().__call__(y_true, y_pred, sample_weight))
 
     def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:

@@ -193,27 +193,59 @@ def test_entropy_ignores_y_true():
     np.testing.assert_allclose(to_numpy(L.Entropy()(None, y_pred)), to_numpy(L.Entropy()(y_pred * 0, y_pred)))
 
 
-@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_tensors_reduce_as_keras_loss_call_does(name, reduction, monkeypatch):
-    # On tensors of the loss's dtype with nothing to weigh or mask, a loss
-    # reduces with the ops' own reduction, without Keras' Loss.__call__
-    # (its per-call work is half an Entropy term's time on eager torch);
-    # Keras' own __call__ on the same tensors is the oracle.
-    loss, kind, _ = LOSSES[name]
-    loss = loss.__class__.from_config({**loss.get_config(), "reduction": reduction})
-    y_true, y_pred = (keras.ops.convert_to_tensor(t) for t in _batch(kind, seed=5))
-    expected = to_numpy(keras.losses.Loss.__call__(loss, y_true, y_pred))
+def _counting_keras_calls(monkeypatch):
     calls = []
     keras_call = keras.losses.Loss.__call__
     monkeypatch.setattr(keras.losses.Loss, "__call__", lambda *a, **k: calls.append(1) or keras_call(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5), (5,)])
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_tensors_reduce_as_keras_loss_call_does(name, reduction, shape, monkeypatch):
+    # On tensors of the loss's dtype with nothing to weigh or mask, a loss
+    # reduces with the ops' own reduction, without Keras' Loss.__call__
+    # (its per-call work is half an Entropy term's time on eager torch);
+    # Keras' own __call__ on the same tensors is the oracle: a mean over
+    # positions, not samples, for [batch, time, classes], and a lone
+    # distribution's value as it is.
+    loss, kind, _ = LOSSES[name]
+    if shape == (5,) and name == "consistency_cosine":
+        pytest.skip("cosine compares samples: it needs a batch axis")
+    loss = loss.__class__.from_config({**loss.get_config(), "reduction": reduction})
+    y_true, y_pred = (keras.ops.convert_to_tensor(t) for t in O.make_inputs(kind, shape, np.random.default_rng(5)))
+    expected = to_numpy(keras.losses.Loss.__call__(loss, y_true, y_pred))
+    calls = _counting_keras_calls(monkeypatch)
     np.testing.assert_allclose(to_numpy(loss(y_true, y_pred)), expected, rtol=1e-6, atol=1e-7)
     assert not calls
-    empty = keras.ops.zeros((0, 5))
-    assert float(to_numpy(loss(empty, empty))) == 0.0 and not calls
-    # Anything Keras' __call__ would do more than reduce goes through it.
-    loss(y_true, y_pred, sample_weight=keras.ops.ones((6,)))
+    empty = keras.ops.zeros((0,) + shape[1:])
+    if len(shape) > 1:
+        assert float(to_numpy(loss(empty, empty))) == 0.0 and not calls
+    # Anything Keras' __call__ would do more than reduce goes through it:
+    # sample weights, half-precision inputs, a Keras mask on y_pred.
     loss(keras.ops.cast(y_true, "float16"), keras.ops.cast(y_pred, "float16"))
+    if len(shape) == 2:
+        loss(y_true, y_pred, sample_weight=keras.ops.ones(shape[:1]))
+    assert len(calls) == 1 + (len(shape) == 2)
+
+
+def test_masked_predictions_and_overridden_call_go_through_keras(monkeypatch):
+    y_true, y_pred = (keras.ops.convert_to_tensor(t) for t in _batch("probs2"))
+    masked = keras.layers.Masking(mask_value=0.0)(keras.ops.where(keras.ops.arange(6)[:, None] < 2, 0.0, y_pred))
+
+    class Doubled(L.KLDivergence):
+        def call(self, y_true, y_pred):
+            return 2.0 * super().call(y_true, y_pred)
+
+    calls = _counting_keras_calls(monkeypatch)
+    L.KLDivergence()(y_true, masked)
+    assert len(calls) == 1
+    plain = to_numpy(L.KLDivergence()(y_true, y_pred))
+    np.testing.assert_allclose(to_numpy(Doubled()(y_true, y_pred)), 2.0 * plain, rtol=1e-6)
+    assert len(calls) == 2
+    # Entropy reads no y_true: integer labels in y_true keep it on the direct path.
+    L.Entropy()(keras.ops.zeros((6,), "int32"), y_pred)
     assert len(calls) == 2
 
 

@@ -30,6 +30,8 @@ organises `keras/src/backend/`:
   `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
 - `sum_abs(x)`: Σ|x| in one pass over x (a 1-norm).
+- `as_tensor(x)`: `ops.convert_to_tensor(x)`; on torch a tensor already
+  on Keras' device as it is, without Keras' call.
 - `stack(tensors)`: `ops.stack` along a new first axis (`torch.stack` on
   torch: without Keras' conversion of each tensor).
 - `add_to_row(variable, row, values)`: variable[row] += values, for the
@@ -70,6 +72,7 @@ softmax_pair = _module.softmax_pair
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
 stack = _module.stack
+as_tensor = _module.as_tensor
 proximal_step = _module.proximal_step
 add_to_row = _module.add_to_row
 unit_clip = _module.unit_clip
@@ -86,6 +89,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",
     "add_to_row",
+    "as_tensor",
     "chunked_sum",
     "gradients",
     "loss_replicas",

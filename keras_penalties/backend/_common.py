@@ -31,6 +31,11 @@ def sum_abs(x):
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
 
 
+def as_tensor(x):
+    """`ops.convert_to_tensor(x)`."""
+    return ops.convert_to_tensor(x)
+
+
 def stack(tensors):
     """`ops.stack(tensors)` along a new first axis (a composite's term values)."""
     return ops.stack(tensors)

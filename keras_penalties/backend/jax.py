@@ -14,6 +14,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     outside_distribution,
     proximal_step,
     replicas_in_sync,
+    as_tensor,
     softmax_pair,
     stack,
     sum_abs,

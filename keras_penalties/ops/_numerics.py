@@ -240,17 +240,20 @@ def dtypes(*tensors):
 
 # Skipping the conversions that change nothing: on eager torch each Keras
 # `convert_to_tensor` or `cast` call costs microseconds of Python whatever
-# it does, and a fit step of the bench's MLP made 15 such casts and 8 such
+# it does, and a fit step of the bench's MLP made 15 such casts and 10 such
 # conversions of the package's own (bench/results/README.md, issue 25).
 
 
 def as_tensor(x):
-    """`x` as a backend tensor (`ops.convert_to_tensor`); a tensor as it is."""
-    return x if ops.is_tensor(x) else ops.convert_to_tensor(x)
+    """`ops.convert_to_tensor(x)`, without the call where it would return
+    `x` itself (`backend.as_tensor`)."""
+    return backend.as_tensor(x)
 
 
 def cast_to(x, dtype):
-    """`ops.cast(x, dtype)`, or `x` itself where it has that dtype already."""
+    """`ops.cast(x, dtype)`, or `x` itself where it has that dtype already;
+    for tensors already converted (Keras' cast would also move a torch
+    tensor to Keras' device)."""
     return x if keras.backend.standardize_dtype(x.dtype) == dtype else ops.cast(x, dtype)
 
 
@@ -394,9 +397,9 @@ def scale_sum(total, x, reduction):
     if reduction == "sum":
         return total
     n = at_least_one(count(x)) if reduction == "mean" else batch_size(x)
-    # A size known now divides as a Python number: the same division,
-    # without a cast op to make it a tensor first.
-    return total / (n if isinstance(n, int) else ops.cast(n, total.dtype))
+    # A tensor divisor, as Keras' losses divide: CUDA torch multiplies by
+    # the reciprocal of a Python number (up to one ulp off).
+    return total / ops.cast(n, total.dtype)
 
 
 def reduce(values, reduction):
