@@ -5,8 +5,8 @@ returns the per-sample values, and Keras' `Loss.__call__` applies
 `sample_weight`, masks and `reduction` ("sum_over_batch_size" by default) as
 for any Keras loss. Where it would only reduce (float32 or float64 tensors of
 the loss's dtype, no sample weight, no mask, one replica), the ops function
-reduces them itself, the same arithmetic without Keras' per-call work. `y_true` is the reference or target, `y_pred` the model's
-output. All round-trip through `get_config`/`from_config` and are registered
+reduces them itself, the same arithmetic without Keras' per-call work.
+`y_true` is the reference or target, `y_pred` the model's output. All round-trip through `get_config`/`from_config` and are registered
 under the package `"keras_penalties.losses"`.
 
 `CompositeLoss`, a weighted sum of named losses, is public here too; it is
@@ -39,13 +39,10 @@ class _PenaltyLoss(keras.losses.Loss):
         for key, value in self._options.items():
             setattr(self, key, value)
 
-    # Whether `call` reads y_true (Entropy's does not).
-    _reads_y_true = True
-
     def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
         # A subclass that overrides `call` goes through Keras as it expects.
         if type(self).call is _PenaltyLoss.call:
-            reduction = ops_reduction(self, y_true if self._reads_y_true else None, y_pred, sample_weight)
+            reduction = ops_reduction(self, y_true if getattr(self, "needs_y_true", True) else None, y_pred, sample_weight)
             if reduction is not None:
                 # What Keras would compute, in the ops' own reduction.
                 return self._reduced(y_true, y_pred, reduction)
@@ -147,9 +144,9 @@ class Entropy(_PenaltyLoss):
     """
 
     penalty = staticmethod(penalties.entropy)
-    # A term of a CompositeObjective may give it the prediction alone.
+    # A term of a CompositeObjective may give it the prediction alone, and
+    # the direct reduction does not check y_true's dtype.
     needs_y_true = False
-    _reads_y_true = False
 
     def __init__(self, from_logits: bool = False, mode: EntropyMode = "penalty", normalize: bool = False,
                  temperature: float = 1.0, axis: int = -1, reduction: LossReduction = "sum_over_batch_size",

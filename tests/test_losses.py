@@ -223,7 +223,7 @@ def test_tensors_reduce_as_keras_loss_call_does(name, reduction, shape, monkeypa
     if len(shape) > 1:
         assert float(to_numpy(loss(empty, empty))) == 0.0 and not calls
     # Anything Keras' __call__ would do more than reduce goes through it:
-    # sample weights, half-precision inputs, a Keras mask on y_pred.
+    # half-precision inputs, sample weights (a Keras mask: the next test).
     loss(keras.ops.cast(y_true, "float16"), keras.ops.cast(y_pred, "float16"))
     if len(shape) == 2:
         loss(y_true, y_pred, sample_weight=keras.ops.ones(shape[:1]))

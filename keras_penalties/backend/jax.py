@@ -9,12 +9,12 @@ from keras import ops
 
 from keras_penalties.backend._common import (  # noqa: F401
     add_to_row,
+    as_tensor,
     loss_replicas,
     norm,
     outside_distribution,
     proximal_step,
     replicas_in_sync,
-    as_tensor,
     softmax_pair,
     stack,
     sum_abs,

@@ -183,10 +183,10 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
 
 def as_tensor(x):
     """As `_common.as_tensor`, without Keras' call for a torch tensor already
-    on Keras' device, which Keras' conversion returns as it is
-    (`keras.src.backend.torch.core.convert_to_tensor` moves a tensor with
-    `x.to(device)`, which returns `x` on that device): each call costs
-    about 8 µs of Python, several per op call in a fit step."""
+    on Keras' device (`_keras_internals.torch_device`), which Keras'
+    conversion returns as it is (it moves a tensor with `x.to(device)`,
+    which returns `x` on that device): each call costs about 8 µs of
+    Python, several per op call in a fit step."""
     if isinstance(x, torch.Tensor) and x.device == torch.device(_keras_internals.torch_device()):
         return x  # what Keras' `x.to(device)` returns
     return keras.ops.convert_to_tensor(x)

@@ -234,20 +234,15 @@ def to_compute(*tensors):
 def dtypes(*tensors):
     """`(tensors, compute_dtype, output_dtype)` without casting yet, for
     callers that cast piece by piece (`per_sample` with chunks)."""
-    tensors = [as_tensor(t) for t in tensors]
+    tensors = [backend.as_tensor(t) for t in tensors]
     return (tensors, *dtype_pair(tensors))
 
 
-# Skipping the conversions that change nothing: on eager torch each Keras
-# `convert_to_tensor` or `cast` call costs microseconds of Python whatever
-# it does, and a fit step of the bench's MLP made 15 such casts and 10 such
-# conversions of the package's own (bench/results/README.md, issue 25).
-
-
-def as_tensor(x):
-    """`ops.convert_to_tensor(x)`, without the call where it would return
-    `x` itself (`backend.as_tensor`)."""
-    return backend.as_tensor(x)
+# Skipping the conversions that change nothing (`backend.as_tensor`, and
+# `cast_to` below): on eager torch each Keras `convert_to_tensor` or `cast`
+# call costs microseconds of Python whatever it does, and a fit step of the
+# bench's MLP made 15 such casts and 10 such conversions of the package's
+# own (bench/results/README.md, issue 25).
 
 
 def cast_to(x, dtype):

@@ -83,7 +83,7 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
     lazy = [isinstance(t, LinearLogits) for t in tensors]
     if any(lazy):
         _check_lazy(names, lazy, from_logits, reduction, chunk_size)
-    tensors = [t if is_lazy else num.as_tensor(t) for t, is_lazy in zip(tensors, lazy)]
+    tensors = [t if is_lazy else backend.as_tensor(t) for t, is_lazy in zip(tensors, lazy)]
     compute, dtype = num.dtype_pair([p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])])
     if len(tensors) == 2:
         num.check_same_shape(names, *tensors)
