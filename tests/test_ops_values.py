@@ -4,9 +4,12 @@ import zlib
 
 import numpy as np
 import pytest
+from keras import ops
+from scipy import special
 
-from tests.oracles import CASES
-from tests.testing import to_numpy
+from keras_penalties import ops as P
+from tests.oracles import CASES, np_js_divergence
+from tests.testing import BACKEND, to_numpy
 
 VALUE_CASES = [
     pytest.param(case, shape, id=f"{case.id}-{'x'.join(map(str, shape))}")
@@ -23,3 +26,38 @@ def test_matches_oracle(case, shape):
     actual = case.fn(*inputs, **case.options)
     assert to_numpy(actual).dtype == np.float32
     np.testing.assert_allclose(to_numpy(actual), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.2])
+@pytest.mark.parametrize("from_logits", [True, False])
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_js_leaves_its_inputs_as_they_were(from_logits, beta, chunk_size):
+    """Torch forms the value in place where nothing is differentiated
+    (`backend.js_rows`): in its own temporaries, never in the caller's
+    tensors (given probabilities are used as they are)."""
+    rng = np.random.default_rng(7)
+    p, q = (3.0 * rng.normal(size=(2, 4, 9))).astype("float32")
+    if not from_logits:
+        p, q = special.softmax(p, axis=-1).astype("float32"), special.softmax(q, axis=-1).astype("float32")
+    tp, tq = ops.convert_to_tensor(p), ops.convert_to_tensor(q)
+    value = P.js_divergence(tp, tq, from_logits=from_logits, beta=beta, reduction="none", chunk_size=chunk_size)
+    expected = np_js_divergence(p.astype(np.float64), q.astype(np.float64), from_logits, reduction="none", beta=beta)
+    np.testing.assert_allclose(to_numpy(value), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(to_numpy(tp), p)
+    np.testing.assert_array_equal(to_numpy(tq), q)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="only torch forms the JS value two ways (in place where nothing is differentiated)")
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_js_in_place_value_has_the_differentiable_bits(from_logits):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    p, q = 4.0 * torch.randn(2, 64, 1000, generator=generator)
+    if not from_logits:
+        p, q = torch.softmax(p, -1), torch.softmax(q, -1)
+    for beta in (0.5, 0.1):
+        plain = P.js_divergence(p, q, from_logits=from_logits, beta=beta, reduction="none")
+        tracked = P.js_divergence(p.clone().requires_grad_(True), q, from_logits=from_logits, beta=beta, reduction="none")
+        assert tracked.requires_grad
+        assert torch.equal(plain, tracked.detach())

@@ -10,6 +10,10 @@ organises `keras/src/backend/`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
 - `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
   that backend (shared exp under XLA; exp(log_softmax) on TF).
+- `js_rows(p, logp, q, logq, beta, axis)`: the generalized Jensen-Shannon
+  divergence of each row from its distributions and their logs (on torch,
+  in place in the caller's `logp` and `logq` where nothing is
+  differentiated).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, one chunk at a time, each row's gradient formed
   with its value so that the backward pass recomputes nothing (a
@@ -69,6 +73,7 @@ gradients = _module.gradients
 parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
+js_rows = _module.js_rows
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
 stack = _module.stack
@@ -92,6 +97,7 @@ __all__ = [
     "as_tensor",
     "chunked_sum",
     "gradients",
+    "js_rows",
     "loss_replicas",
     "map_chunks",
     "outside_distribution",

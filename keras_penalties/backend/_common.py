@@ -19,6 +19,21 @@ def softmax_pair(logits, axis):
     return ops.softmax(logits, axis=axis), ops.log_softmax(logits, axis=axis)
 
 
+def js_rows(p, logp, q, logq, beta, axis):
+    """β·Σ p (log p − log m) + (1 − β)·Σ q (log q − log m) along `axis`, with
+    m = βp + (1 − β)q and log m as log(m + tiny), tiny the dtype's smallest
+    normal number (finite where both underflow). `logp` and `logq` are the
+    caller's own temporaries: torch overwrites them where nothing is
+    differentiated."""
+    logm = ops.log(beta * p + (1.0 - beta) * q + smallest_normal(p.dtype))
+    return beta * ops.sum(p * (logp - logm), axis=axis) + (1.0 - beta) * ops.sum(q * (logq - logm), axis=axis)
+
+
+def smallest_normal(dtype):
+    """The smallest normal number of a float dtype, as a Python float."""
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)
+
+
 def sum_of_squares(x):
     """Σx² over all of x. XLA and TF fuse square-then-sum into one pass
     (x·x on TF is a matrix-vector product: a 20 % slower fit step)."""

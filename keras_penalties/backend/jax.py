@@ -10,6 +10,7 @@ from keras import ops
 from keras_penalties.backend._common import (  # noqa: F401
     add_to_row,
     as_tensor,
+    js_rows,
     loss_replicas,
     norm,
     outside_distribution,

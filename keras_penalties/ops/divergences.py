@@ -20,6 +20,7 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops._tokens import LinearLogits, token_level
@@ -138,8 +139,8 @@ def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, a
     # cheapest log m: a logaddexp of the logs, or a select, keeps XLA from
     # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
     # instead of none). Where both underflow, m = 0 and log m is finite.
-    logm = num.floored_log(beta * p + (1.0 - beta) * q)
-    return beta * _kl_from_log(p, logp, logm, axis) + (1.0 - beta) * _kl_from_log(q, logq, logm, axis)
+    # logp and logq are this function's own: the backend may reuse them.
+    return backend.js_rows(p, logp, q, logq, beta, axis)
 
 
 def _beta(name: str, value: float) -> float:
