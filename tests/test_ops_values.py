@@ -56,8 +56,23 @@ def test_js_in_place_value_has_the_differentiable_bits(from_logits):
     p, q = 4.0 * torch.randn(2, 64, 1000, generator=generator)
     if not from_logits:
         p, q = torch.softmax(p, -1), torch.softmax(q, -1)
+        # Classes both sides give no mass: there m = 0 and log m is log(tiny).
+        p[:, :10], q[:, :10] = 0.0, 0.0
     for beta in (0.5, 0.1):
         plain = P.js_divergence(p, q, from_logits=from_logits, beta=beta, reduction="none")
         tracked = P.js_divergence(p.clone().requires_grad_(True), q, from_logits=from_logits, beta=beta, reduction="none")
         assert tracked.requires_grad
         assert torch.equal(plain, tracked.detach())
+
+
+def test_js_under_vectorized_map():
+    """`ops.vectorized_map` (torch.vmap on torch, where in-place ops cannot
+    write a batched result into an unbatched tensor): one side batched, the
+    other not."""
+    rng = np.random.default_rng(11)
+    p = special.softmax(rng.normal(size=5), axis=-1).astype("float32")
+    q = special.softmax(rng.normal(size=(4, 5)), axis=-1).astype("float32")
+    tp = ops.convert_to_tensor(p)
+    value = ops.vectorized_map(lambda row: P.js_divergence(tp, row, beta=0.3), ops.convert_to_tensor(q))
+    expected = [np_js_divergence(p.astype(np.float64), row.astype(np.float64), beta=0.3) for row in q]
+    np.testing.assert_allclose(to_numpy(value), expected, rtol=1e-5, atol=1e-7)

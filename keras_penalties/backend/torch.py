@@ -264,12 +264,17 @@ def unit_clip(grads, weights, clip_factor, eps):
 
 def js_rows(p, logp, q, logq, beta, axis):
     """As `_common.js_rows`; where nothing is differentiated, in place in the
-    caller's `logp` and `logq` and one fresh m: on CPU each fresh tensor is a
-    page-faulted allocation of the whole input's size, and the value on
-    [2048, 32000] took 0.59 s this way against 1.03-1.25 s (the peer's
-    logaddexp form 0.86-0.93 s). The same operations in the same order, so
-    the same bits as the differentiable form."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq)):
+    caller's `logp` and `logq`, with m and (1 − β)·q the only fresh tensors:
+    on CPU each fresh tensor is a page-faulted allocation of the whole
+    input's size, and the value on [2048, 32000] took 0.59 s this way (six
+    fresh tensors, softmax and log-softmax included) against 1.03-1.25 s
+    (thirteen; the peer's logaddexp form 0.86-0.93 s). The same operations
+    in the same order, so the same bits as the differentiable form. Under a
+    `torch.func` transform (`vmap`: `ops.vectorized_map`) the differentiable
+    form: a batched result cannot be written into an unbatched tensor."""
+    if (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq))
+    ) or _keras_internals.torch_transform_active():
         return _common.js_rows(p, logp, q, logq, beta, axis)
     logm = p * beta
     logm.add_(q * (1.0 - beta)).add_(torch.finfo(p.dtype).tiny).log_()
