@@ -6,8 +6,9 @@ returns the per-sample values, and Keras' `Loss.__call__` applies
 for any Keras loss. Where it would only reduce (float32 or float64 tensors of
 the loss's dtype, no sample weight, no mask, one replica), the ops function
 reduces them itself, the same arithmetic without Keras' per-call work.
-`y_true` is the reference or target, `y_pred` the model's output. All round-trip through `get_config`/`from_config` and are registered
-under the package `"keras_penalties.losses"`.
+`y_true` is the reference or target, `y_pred` the model's output. All
+round-trip through `get_config`/`from_config` and are registered under the
+package `"keras_penalties.losses"`.
 
 `CompositeLoss`, a weighted sum of named losses, is public here too; it is
 defined beside `CompositeObjective` in `keras_penalties.objective`.

@@ -14,6 +14,8 @@ organises `keras/src/backend/`:
   divergence of each row from its distributions and their logs (on torch,
   in place in the caller's `logp` and `logq` where nothing is
   differentiated).
+- `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
+  Python float (the floor of the package's logs).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, one chunk at a time, each row's gradient formed
   with its value so that the backward pass recomputes nothing (a
@@ -74,6 +76,7 @@ parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 js_rows = _module.js_rows
+smallest_normal = _module.smallest_normal
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
 stack = _module.stack
@@ -105,6 +108,7 @@ __all__ = [
     "project",
     "proximal_step",
     "replicas_in_sync",
+    "smallest_normal",
     "softmax_pair",
     "stack",
     "sum_abs",

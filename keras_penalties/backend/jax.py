@@ -16,6 +16,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     outside_distribution,
     proximal_step,
     replicas_in_sync,
+    smallest_normal,
     softmax_pair,
     stack,
     sum_abs,

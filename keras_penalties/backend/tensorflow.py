@@ -13,7 +13,7 @@ from keras import ops
 
 from keras_penalties import _keras_internals
 from keras_penalties.backend._common import (  # noqa: F401
-    add_to_row, as_tensor, js_rows, norm, proximal_step, stack, sum_abs, sum_of_squares, unit_clip,
+    add_to_row, as_tensor, js_rows, norm, proximal_step, smallest_normal, stack, sum_abs, sum_of_squares, unit_clip,
 )
 
 # chunk_size="auto" (bench/results/README.md): about 1 M elements of logits

@@ -11,6 +11,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     norm,
     outside_distribution,
     replicas_in_sync,
+    smallest_normal,
     softmax_pair,
     sum_over_replicas,
 )
@@ -277,7 +278,7 @@ def js_rows(p, logp, q, logq, beta, axis):
     ) or _keras_internals.torch_transform_active():
         return _common.js_rows(p, logp, q, logq, beta, axis)
     logm = p * beta
-    logm.add_(q * (1.0 - beta)).add_(torch.finfo(p.dtype).tiny).log_()
+    logm.add_(q * (1.0 - beta)).add_(smallest_normal(p.dtype)).log_()
     return beta * logp.sub_(logm).mul_(p).sum(axis) + (1.0 - beta) * logq.sub_(logm).mul_(q).sum(axis)
 
 

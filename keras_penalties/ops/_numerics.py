@@ -284,10 +284,6 @@ def is_half(dtype):
 # ---------------------------------------------------------------- safe math
 
 
-def _tiny(dtype):
-    return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)
-
-
 # keras.ops.maximum, logaddexp, mean (and matmul on torch) go through
 # keras.backend.result_type, which maps float64 to float32: they would compute
 # float64 inputs in float32. The helpers below, and `ops.einsum` for products,
@@ -341,7 +337,7 @@ def safe_log(x):
     The floor makes log(0) finite (about -87 in float32) and its gradient zero,
     so 0 * log(0) is 0 in the value and NaN-free in the gradient.
     """
-    tiny = _tiny(x.dtype)
+    tiny = backend.smallest_normal(x.dtype)
     return ops.log(ops.where(x > tiny, x, tiny))
 
 
