@@ -1,5 +1,5 @@
-"""Every private Keras (and TensorFlow, and torch) API keras-penalties relies
-on, each behind a function that says what it reads and since when.
+"""Every private Keras (and TensorFlow) API keras-penalties relies on, each
+behind a function that says what it reads and since when.
 
 Keras has no public way to ask these questions; each answer below is read
 from Keras' own internals. "Keras 3.0 on" was read in the wheels of 3.0.5,
@@ -121,22 +121,6 @@ def torch_device():
     from keras.src.backend.torch.core import get_device
 
     return get_device()
-
-
-def torch_transform_active():
-    """Whether a `torch.func` transform (`vmap`, which Keras'
-    `ops.vectorized_map` uses on torch, `grad`, `jvp`, ...) is running
-    around the caller: its tensors are wrappers that in-place ops cannot
-    always write into. True when torch has no answer, so that callers fall
-    back to out-of-place ops.
-
-    Relies on: `torch._C._functorch.peek_interpreter_stack()`, None outside
-    every transform (torch 2.0 on; read in 2.13).
-    """
-    import torch
-
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    return True if peek is None else peek() is not None
 
 
 def own_losses(layer):

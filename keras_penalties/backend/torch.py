@@ -275,11 +275,23 @@ def js_rows(p, logp, q, logq, beta, axis):
     form: a batched result cannot be written into an unbatched tensor."""
     if (
         torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq))
-    ) or _keras_internals.torch_transform_active():
+    ) or _transform_active():
         return _common.js_rows(p, logp, q, logq, beta, axis)
     logm = p * beta
     logm.add_(q * (1.0 - beta)).add_(smallest_normal(p.dtype)).log_()
     return beta * logp.sub_(logm).mul_(p).sum(axis) + (1.0 - beta) * logq.sub_(logm).mul_(q).sum(axis)
+
+
+def _transform_active():
+    """Whether a `torch.func` transform (`vmap`, which Keras'
+    `ops.vectorized_map` uses on torch, `grad`, `jvp`, ...) is running
+    around the caller: its tensors are wrappers that in-place ops cannot
+    always write into. True when torch has no answer, so that callers fall
+    back to out-of-place ops. Reads torch's private
+    `torch._C._functorch.peek_interpreter_stack()`, None outside every
+    transform (torch 2.0 on; read in 2.13)."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return True if peek is None else peek() is not None
 
 
 def _is_half(dtype):
