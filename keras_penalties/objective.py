@@ -164,7 +164,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
             step = self.step.value
             state = {"weights": self._weights_at(step), "losses": []}
             if training:
-                self.step.assign(step + 1)
+                backend.increment(self.step)
             if token is not None:
                 self._passes[token] = state
         return state
@@ -183,7 +183,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         floats = as_float32(inputs)  # half-precision activations, once per call
-        values = self._values(floats)
+        with num.sharing(keras.tree.flatten(floats)):
+            values = self._values(floats)
+            metric_values = self._metric_values(floats) if self.metric_keys else []
         _capture.record(self, values)
         values = whole_batch_values(values, self._sums_over_samples)
         state = self._pass(training)
@@ -193,8 +195,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         # objective's first call of the step).
         update = bool(training) and not state["losses"]
         self._add_loss_of_pass(state, self._total(values, state["weights"], update=update))
-        if self.metric_keys:
-            values = ops.concatenate([values, ops.stack(self._metric_values(floats))])
+        if metric_values:
+            values = ops.concatenate([values, ops.stack(metric_values)])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
         row = _TRAIN if training else _EVAL
@@ -233,7 +235,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
         custom training loop, or on tensors received from elsewhere (e.g. a
         remote trainer's logprobs).
         """
-        values = self._values(as_float32(inputs))
+        floats = as_float32(inputs)
+        with num.sharing(keras.tree.flatten(floats)):
+            values = self._values(floats)
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
 
@@ -494,9 +498,10 @@ class CompositeLoss(Composite, keras.losses.Loss):
             if model is not None:
                 self.attach(model)
         self._no_weight_decay_on_log_variances()
-        values = backend.stack(
-            [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
-        )
+        with num.sharing([t for t in (y_true, y_pred) if ops.is_tensor(t)]):
+            values = backend.stack(
+                [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
+            )
         values = whole_batch_values(values, self._sums_over_samples)
         _capture.record(self, values)
         if self.tracker_registered:

@@ -994,7 +994,7 @@ class Composite:
             return self._famo(values, update)
         if weights is None:
             weights = self.current_weights()
-        total = ops.sum(values * weights * self.term_enabled.value)
+        total = backend.reduce_sum(values * weights * self.term_enabled.value)
         if self.log_variances is not None:
             total = total + 0.5 * ops.sum(self._learned_log_variances() * self.term_enabled.value)
         return total

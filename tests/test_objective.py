@@ -11,10 +11,11 @@ from scipy import special
 from keras_penalties import CompositeObjective, Term
 from keras_penalties import losses as L
 from keras_penalties import ops as P
+from keras_penalties import backend
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 from tests import oracles as O
-from tests.testing import save_and_load, to_numpy
+from tests.testing import central_difference, grad, save_and_load, to_numpy
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(4, 5)).astype(np.float32)
@@ -48,6 +49,94 @@ def test_compute_matches_oracles_and_weights():
     for name, value in expected.items():
         np.testing.assert_allclose(to_numpy(values[name]), value, rtol=1e-5)
     np.testing.assert_allclose(to_numpy(total), sum(weights[k] * v for k, v in expected.items()), rtol=1e-5)
+
+
+def _terms_on_one_logits(teacher):
+    """Terms that all take (log-)softmaxes of the objective's input x (JS
+    first: where nothing is differentiated torch forms it in place in its
+    temporaries, which must not be the log-softmax the others share)."""
+    return {
+        "js": Term(lambda x: P.js_divergence(teacher, x, from_logits=True, beta=0.3), 1.1),
+        "bonus": Term(L.Entropy(from_logits=True, mode="bonus"), 0.3),
+        "kl": Term(lambda x: P.kl_divergence(teacher, x, from_logits=True), 0.5),
+        "reverse": Term(lambda x: P.kl_divergence(teacher, x, from_logits=True, direction="reverse"), 0.2),
+        "hot": Term(lambda x: P.entropy(x, from_logits=True, temperature=2.0), 0.7),
+    }
+
+
+def _np_terms_on_one_logits(x, teacher):
+    return {
+        "bonus": -O.np_entropy(x, from_logits=True),
+        "kl": O.np_kl_divergence(teacher, x, from_logits=True),
+        "reverse": O.np_kl_divergence(teacher, x, from_logits=True, direction="reverse"),
+        "hot": O.np_entropy(x, from_logits=True, temperature=2.0),
+        "js": O.np_js_divergence(teacher, x, from_logits=True, beta=0.3),
+    }
+
+
+@pytest.mark.parametrize("classes", [5, 17])
+def test_terms_on_the_same_logits_match_oracles_in_value_and_gradient(classes):
+    """An objective forms each (log-)softmax of its input once for all its
+    terms (below); values and the total's gradient are still each term's
+    own, against NumPy and central differences of NumPy in float64."""
+    rng = np.random.default_rng(classes)
+    x, teacher = rng.normal(size=(2, 3, classes)).astype("float32")
+    weights = {"bonus": 0.3, "kl": 0.5, "reverse": 0.2, "hot": 0.7, "js": 1.1}
+    objective = CompositeObjective(_terms_on_one_logits(keras.ops.convert_to_tensor(teacher)))
+    total, values = objective.compute(keras.ops.convert_to_tensor(x))
+    expected = _np_terms_on_one_logits(x.astype(np.float64), teacher.astype(np.float64))
+    for name, value in expected.items():
+        np.testing.assert_allclose(to_numpy(values[name]), value, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(to_numpy(total), sum(weights[k] * v for k, v in expected.items()), rtol=1e-5)
+    gradient = grad(lambda t: objective.compute(t)[0], x)
+    np_total = lambda v: sum(weights[k] * e for k, e in _np_terms_on_one_logits(v, teacher.astype(np.float64)).items())
+    np.testing.assert_allclose(gradient, central_difference(np_total, x), rtol=1e-4, atol=1e-6)
+
+
+def test_terms_on_the_same_logits_share_each_log_softmax(monkeypatch):
+    """Five terms on the input x ask for x's softmax and log-softmax six
+    times; the objective forms them once (and once more at T = 2), where
+    the terms one by one form each again."""
+    formed, inside = [], []
+    softmax_pair, log_softmax = backend.softmax_pair, keras.ops.log_softmax
+
+    def counting(fn, kind):
+        def wrapped(logits, *args, **kwargs):
+            if not inside:  # not the log-softmax a softmax_pair forms
+                formed.append((kind, id(logits)))
+            inside.append(kind)
+            try:
+                return fn(logits, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        return wrapped
+
+    monkeypatch.setattr(backend, "softmax_pair", counting(softmax_pair, "pair"))
+    monkeypatch.setattr(keras.ops, "log_softmax", counting(log_softmax, "log"))
+    x = keras.ops.convert_to_tensor(X)
+    objective = CompositeObjective(_terms_on_one_logits(keras.ops.convert_to_tensor(TEACHER)))
+    objective.compute(x)
+    assert [kind for kind, i in formed if i == id(x)] == ["pair"]
+    formed.clear()
+    objective(x)
+    assert [kind for kind, i in formed if i == id(x)] == ["pair"]
+    formed.clear()
+    for name in objective.terms:
+        objective.term_value(name, x)
+    assert sorted(kind for kind, i in formed if i == id(x)) == ["log", "pair", "pair", "pair"]
+    # A CompositeLoss shares them between its terms on y_pred alike.
+    loss = L.CompositeLoss(
+        {"bonus": L.Entropy(from_logits=True, mode="bonus"), "kl": Term(P.kl_divergence, options={"from_logits": True})}
+    )
+    formed.clear()
+    np.testing.assert_allclose(
+        to_numpy(loss(keras.ops.convert_to_tensor(TEACHER), x)),
+        O.np_kl_divergence(TEACHER.astype(np.float64), X.astype(np.float64), from_logits=True)
+        - O.np_entropy(X.astype(np.float64), from_logits=True),
+        rtol=1e-5,
+    )
+    assert [kind for kind, i in formed if i == id(x)] == ["pair"]
 
 
 def test_weights_argument_overrides_term_weights():

@@ -8,12 +8,13 @@ organises `keras/src/backend/`:
   each tensor, kept differentiable (double backprop).
 - `parameter_probe(trainable, others, outputs, num_outputs, grad_norms)`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`.
-- `softmax_pair(logits, axis)`: `(p, log p)` of logits, the cheaper way on
-  that backend (shared exp under XLA; exp(log_softmax) on TF).
-- `js_rows(p, logp, q, logq, beta, axis)`: the generalized Jensen-Shannon
-  divergence of each row from its distributions and their logs (on torch,
-  in place in the caller's `logp` and `logq` where nothing is
-  differentiated).
+- `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
+  the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
+  on TF, and on torch below 16 classes), reusing `log_softmax` if given.
+- `js_rows(p, logp, q, logq, beta, axis, reuse=False)`: the generalized
+  Jensen-Shannon divergence of each row from its distributions and their
+  logs (on torch, with `reuse`, in place in the caller's `logp` and `logq`
+  where nothing is differentiated).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
@@ -34,14 +35,22 @@ organises `keras/src/backend/`:
   the fastest measured on the benchmark machine (bench/results/README.md).
 - `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
   `rows @ kernelᵀ` without a transposed copy of the kernel.
-- `sum_of_squares(x)`: Σx² in one pass over x (a dot product on torch).
-- `sum_abs(x)`: Σ|x| in one pass over x (a 1-norm).
+- `sum_of_squares(x)`: Σx² in one pass over x, exact to float32 rounding
+  at any size (dots of x with itself, in rows, on torch).
+- `sum_abs(x)`: Σ|x| in one pass over x, exact to float32 rounding at any
+  size (a 1-norm; abs-then-sum a block at a time on torch).
 - `as_tensor(x)`: `ops.convert_to_tensor(x)`; on torch a tensor already
   on Keras' device as it is, without Keras' call.
 - `stack(tensors)`: `ops.stack` along a new first axis (`torch.stack` on
   torch: without Keras' conversion of each tensor).
 - `add_to_row(variable, row, values)`: variable[row] += values, for the
   running values of a composite (in place on torch).
+- `increment(variable)`: variable += 1, for a composite's step count (in
+  place on torch).
+- `reduce_sum(x, axis=None)`: `ops.sum` of a float tensor (`torch.sum`
+  itself on torch).
+- `divide_by_count(total, n)`: total / n for a count, as a tensor of
+  total's dtype.
 - `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
   elastic-net proximal step of `ProximalDecay`, in place on each variable
   (`torch._foreach_*` calls on torch).
@@ -83,6 +92,9 @@ stack = _module.stack
 as_tensor = _module.as_tensor
 proximal_step = _module.proximal_step
 add_to_row = _module.add_to_row
+increment = _module.increment
+reduce_sum = _module.reduce_sum
+divide_by_count = _module.divide_by_count
 unit_clip = _module.unit_clip
 map_chunks = _module.map_chunks
 chunked_sum = _module.chunked_sum
@@ -99,7 +111,9 @@ __all__ = [
     "add_to_row",
     "as_tensor",
     "chunked_sum",
+    "divide_by_count",
     "gradients",
+    "increment",
     "js_rows",
     "loss_replicas",
     "map_chunks",
@@ -107,6 +121,7 @@ __all__ = [
     "parameter_probe",
     "project",
     "proximal_step",
+    "reduce_sum",
     "replicas_in_sync",
     "smallest_normal",
     "softmax_pair",

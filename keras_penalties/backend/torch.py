@@ -12,7 +12,6 @@ from keras_penalties.backend._common import (  # noqa: F401
     outside_distribution,
     replicas_in_sync,
     smallest_normal,
-    softmax_pair,
     sum_over_replicas,
 )
 
@@ -211,6 +210,31 @@ def add_to_row(variable, row, values):
         variable.value[row].add_(values)
 
 
+def reduce_sum(x, axis=None):
+    """As `_common.reduce_sum`, as `torch.sum`, which Keras' sum calls after
+    a conversion and before a cast that change nothing for a float tensor
+    (about 8 µs a call; the bench's head objective makes five a call)."""
+    return torch.sum(x) if axis is None else torch.sum(x, dim=axis)
+
+
+def divide_by_count(total, n):
+    """As `_common.divide_by_count`; an int count made a tensor by torch
+    directly (Keras' cast of a Python number: about 8 µs a call)."""
+    if isinstance(n, int):
+        return total / torch.tensor(n, dtype=total.dtype, device=total.device)
+    return _common.divide_by_count(total, n)
+
+
+def increment(variable):
+    """As `_common.increment`, in place: one add instead of an add and an
+    assignment through Keras (about 10 µs of Python, at every training call
+    of an objective)."""
+    if _keras_internals.in_stateless_scope():
+        return _common.increment(variable)
+    with torch.no_grad():
+        variable.value.add_(1)
+
+
 def proximal_step(variables, threshold, shrink, center):
     """As `_common.proximal_step`, as `torch._foreach_*` calls on the
     variables' tensors in place, as Keras' torch Adam updates them. The
@@ -257,15 +281,16 @@ def unit_clip(grads, weights, clip_factor, eps):
                 w_norm = w32.reshape(-1, units).square().sum(0).sqrt_()
                 g_norm = g32.reshape(-1, units).square().sum(0).sqrt_()
             else:
-                w_norm, g_norm = torch.linalg.vector_norm(w32), torch.linalg.vector_norm(g32)
+                w_norm, g_norm = torch.sqrt(sum_of_squares(w32)), torch.sqrt(sum_of_squares(g32))
             scale = w_norm.clamp_(min=eps).mul_(clip_factor).div_(g_norm.clamp_(min=TINY)).clamp_(max=1.0)
             out.append((g32 * scale).to(g.dtype))
     return out
 
 
-def js_rows(p, logp, q, logq, beta, axis):
-    """As `_common.js_rows`; where nothing is differentiated, in place in the
-    caller's `logp` and `logq`, with m and (1 − β)·q the only fresh tensors:
+def js_rows(p, logp, q, logq, beta, axis, reuse=False):
+    """As `_common.js_rows`; with `reuse`, where nothing is differentiated,
+    in place in the caller's `logp` and `logq`, with m and (1 − β)·q the
+    only fresh tensors:
     on CPU each fresh tensor is a page-faulted allocation of the whole
     input's size, and the value on [2048, 32000] took 0.59 s this way (six
     fresh tensors, softmax and log-softmax included) against 1.03-1.25 s
@@ -274,8 +299,10 @@ def js_rows(p, logp, q, logq, beta, axis):
     `torch.func` transform (`vmap`: `ops.vectorized_map`) the differentiable
     form: a batched result cannot be written into an unbatched tensor."""
     if (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq))
-    ) or _transform_active():
+        not reuse
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq)))
+        or _transform_active()
+    ):
         return _common.js_rows(p, logp, q, logq, beta, axis)
     logm = p * beta
     logm.add_(q * (1.0 - beta)).add_(smallest_normal(p.dtype)).log_()
@@ -298,19 +325,91 @@ def _is_half(dtype):
     return dtype in (torch.float16, torch.bfloat16)
 
 
+# Below this many classes torch's CPU softmax and log_softmax leave their
+# vectorised kernel for a per-element one (AVX-512: [256, 10] 24 µs against
+# 5.7 µs for [256, 32]); an exp of the log-softmax already at hand is then
+# the cheaper softmax (3.2 µs). From 16 classes on the kernel is as fast
+# as the exp or faster.
+_SOFTMAX_KERNEL_CLASSES = 16
+
+
+def softmax_pair(logits, axis, log_softmax=None):
+    """`(softmax, log_softmax)` of logits along `axis`: the two kernels, or
+    below `_SOFTMAX_KERNEL_CLASSES` classes an exp of the log-softmax
+    (`log_softmax`, if given, is that of these logits, already formed)."""
+    if logits.shape[axis] < _SOFTMAX_KERNEL_CLASSES:
+        logp = torch.log_softmax(logits, dim=axis) if log_softmax is None else log_softmax
+        return torch.exp(logp), logp
+    return _common.softmax_pair(logits, axis, log_softmax)
+
+
+# Σ|x| and Σx² exact to float32 rounding at every size (within 1e-7 of the
+# float64 sum in every size measured, as torch.sum's cascade and NumPy's
+# pairwise sum are), and without a full copy of a large x. torch's own
+# 1- and 2-norm reductions and the BLAS dot accumulate in a few float32
+# lanes, so their error grows with the size: the 1-norm is off by 3e-4 at
+# 4 M elements and by 9e-2 at 64 M, the dot by 2e-5 and 1e-3
+# (bench/results/README.md, "Issue 25, fifth round").
+_ABS_BLOCK = 2**20  # abs-then-sum this many elements at a time (4 MB in float32)
+_DOT_ELEMENTS = 2**18  # one dot up to here: relative error at most 6.4e-7 measured
+_DOT_ROW = 2**14  # beyond: one batched product of 16 k-element rows, each its own dot
+
+
 def sum_abs(x):
-    """Σ|x| as one `vector_norm` call: eager abs-then-sum writes and reads a
-    copy of x (7x one NumPy pass over 10^7 elements), and keras.ops'
-    reshape-then-norm made an objective's L1 term on [256, 512] take 207 µs
-    a call against 190 µs with this."""
-    return torch.linalg.vector_norm(x, ord=1)
+    """Σ|x|: abs-then-sum, of up to `_ABS_BLOCK` elements at once (on
+    [256, 512] 17 µs against 59 µs for torch's 1-norm; 10^7 elements
+    1.4 ms against 4.2 ms)."""
+    flat = x.reshape(-1)
+    if flat.numel() <= _ABS_BLOCK:
+        return torch.sum(torch.abs(flat))
+    return _BlockReduction.apply(flat, "abs")
 
 
 def sum_of_squares(x):
-    """Σx² as one BLAS dot of x with itself: eager square-then-sum writes and
-    reads a full copy of x (5-10x one NumPy pass over 10^7 elements)."""
+    """Σx²: one dot of x with itself up to `_DOT_ELEMENTS` (it writes no
+    copy of x), else dots of its `_DOT_ROW`-element rows."""
     flat = x.reshape(-1)
-    return torch.dot(flat, flat)
+    if flat.numel() <= _DOT_ELEMENTS:
+        return torch.dot(flat, flat)
+    return _BlockReduction.apply(flat, "square")
+
+
+def _abs_in_blocks(flat):
+    # Each block's |x| written into one scratch block: fresh 4 MB blocks
+    # were page-faulted in one after another (10^8 elements: 138 ms; with
+    # the scratch block 18 ms, against 42 ms for torch's 1-norm).
+    scratch = torch.empty(_ABS_BLOCK, dtype=flat.dtype, device=flat.device)
+    partial = [torch.sum(torch.abs(block, out=scratch[: block.numel()])) for block in flat.split(_ABS_BLOCK)]
+    return torch.sum(torch.stack(partial))
+
+
+def _squares_in_rows(flat):
+    # One batched product: as fast as one dot from 4 M elements on.
+    rows = flat.numel() // _DOT_ROW
+    head = flat[: rows * _DOT_ROW].view(rows, 1, _DOT_ROW)
+    total = torch.sum(torch.bmm(head, head.transpose(1, 2)))
+    tail = flat[rows * _DOT_ROW:]
+    return total + torch.dot(tail, tail) if tail.numel() else total
+
+
+class _BlockReduction(torch.autograd.Function):
+    """Σ|x| or Σx² of a flat x, formed a block at a time, with the gradient
+    sign(x)·g or 2x·g in one pass (autograd through the blocks took 5x the
+    forward pass for the batched product's backward: 740 µs on a [784, 512]
+    kernel). The backward pass is itself differentiable (double backprop)."""
+
+    @staticmethod
+    def forward(ctx, flat, kind):
+        ctx.save_for_backward(flat)
+        ctx.kind = kind
+        return _abs_in_blocks(flat) if kind == "abs" else _squares_in_rows(flat)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        (flat,) = ctx.saved_tensors
+        if ctx.kind == "abs":
+            return torch.sign(flat) * upstream, None
+        return flat * (2.0 * upstream), None
 
 
 def gradients(fn, tensors):

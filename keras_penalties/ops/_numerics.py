@@ -8,6 +8,8 @@ through `safe_norm`, so values and gradients stay finite at exact zeros and at
 extreme logits.
 """
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -357,7 +359,7 @@ def log_probs(x, *, from_logits, temperature, axis):
     is log_softmax(log(p) / T).
     """
     if from_logits:
-        return ops.log_softmax(x / temperature if temperature != 1.0 else x, axis=axis)
+        return _shared(x, ("log", temperature, axis), lambda: ops.log_softmax(_scaled(x, temperature), axis=axis))
     logp = safe_log(x)
     if temperature != 1.0:
         logp = ops.log_softmax(logp / temperature, axis=axis)
@@ -367,11 +369,74 @@ def log_probs(x, *, from_logits, temperature, axis):
 def probs_and_log_probs(x, *, from_logits, temperature, axis):
     """`(p, log p)` along `axis`; given probabilities at T=1 are kept exactly."""
     if from_logits:
-        return backend.softmax_pair(x / temperature if temperature != 1.0 else x, axis)
+        def pair():
+            logp = _shared_value(x, ("log", temperature, axis))
+            p, logp = backend.softmax_pair(_scaled(x, temperature), axis, logp)
+            _share(x, ("log", temperature, axis), logp)
+            return p, logp
+
+        return _shared(x, ("pair", temperature, axis), pair)
     logp = log_probs(x, from_logits=False, temperature=temperature, axis=axis)
     if temperature == 1.0:
         return x, logp
     return ops.exp(logp), logp
+
+
+def _scaled(logits, temperature):
+    return logits / temperature if temperature != 1.0 else logits
+
+
+# Inside `sharing(tensors)`, the (log-)softmax of each of those tensors is
+# formed once per temperature and axis, however many terms ask for it: an
+# objective's entropy bonus and KL on the same logits share one
+# log-softmax, as hand-written code would (on eager torch each is a pass
+# over the logits and a node of the backward pass; XLA would merge them
+# anyway). Only the tensors named are shared, never a chunk of them: a
+# chunk loop keeps one chunk's temporaries alive at a time. A context
+# variable, so that each thread (a tf.distribute replica) has its own.
+_SHARING = contextvars.ContextVar("keras_penalties_sharing", default=None)
+
+
+@contextlib.contextmanager
+def sharing(tensors):
+    """Within: the log-probabilities of any of `tensors` are computed once."""
+    # The dict holds the tensors, so their ids stay theirs while it lives.
+    token = _SHARING.set(({id(t): t for t in tensors}, {}))
+    try:
+        yield
+    finally:
+        _SHARING.reset(token)
+
+
+def shared(*tensors):
+    """Whether any of `tensors` is a (log-)softmax `sharing` holds for
+    other terms (so not to be overwritten)."""
+    held = _SHARING.get()
+    if held is None:
+        return False
+    values = [v for value in held[1].values() for v in (value if isinstance(value, tuple) else (value,))]
+    return any(t is v for t in tensors for v in values)
+
+
+def _shared(x, key, make):
+    shared = _SHARING.get()
+    if shared is None or id(x) not in shared[0]:
+        return make()
+    cache = shared[1]
+    if (id(x), key) not in cache:
+        cache[id(x), key] = make()
+    return cache[id(x), key]
+
+
+def _shared_value(x, key):
+    shared = _SHARING.get()
+    return None if shared is None else shared[1].get((id(x), key))
+
+
+def _share(x, key, value):
+    shared = _SHARING.get()
+    if shared is not None and id(x) in shared[0]:
+        shared[1].setdefault((id(x), key), value)
 
 
 def scale_sum(total, x, reduction):
@@ -381,16 +446,14 @@ def scale_sum(total, x, reduction):
     if reduction == "sum":
         return total
     n = at_least_one(count(x)) if reduction == "mean" else batch_size(x)
-    # A tensor divisor, as Keras' losses divide: CUDA torch multiplies by
-    # the reciprocal of a Python number (up to one ulp off).
-    return total / ops.cast(n, total.dtype)
+    return backend.divide_by_count(total, n)
 
 
 def reduce(values, reduction):
     """Reduces per-element (or per-sample) `values` as `reduction` asks."""
     if reduction == "none":
         return values
-    return scale_sum(ops.sum(values), values, reduction)
+    return scale_sum(backend.reduce_sum(values), values, reduction)
 
 
 def without_axis(shape, axis):

@@ -49,7 +49,7 @@ def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_ran
 
 def _kl_from_log(p: Tensor, logp: Tensor, logq: Tensor, axis: int) -> Tensor:
     """Σ p (log p − log q) along `axis`."""
-    return ops.sum(p * (logp - logq), axis=axis)
+    return backend.reduce_sum(p * (logp - logq), axis=axis)
 
 
 @num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
@@ -139,8 +139,9 @@ def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, a
     # cheapest log m: a logaddexp of the logs, or a select, keeps XLA from
     # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
     # instead of none). Where both underflow, m = 0 and log m is finite.
-    # logp and logq are this function's own: the backend may reuse them.
-    return backend.js_rows(p, logp, q, logq, beta, axis)
+    # logp and logq are this function's own, unless an objective shares
+    # them with its other terms: the backend may then reuse them.
+    return backend.js_rows(p, logp, q, logq, beta, axis, reuse=not num.shared(logp, logq))
 
 
 def _beta(name: str, value: float) -> float:
@@ -234,7 +235,7 @@ def entropy(
 
 def _entropy_values(x: Tensor, *, from_logits: bool, normalize: bool, temperature: float, axis: int) -> Tensor:
     p, logp = num.probs_and_log_probs(x, from_logits=from_logits, temperature=temperature, axis=axis)
-    values = -ops.sum(p * logp, axis=axis)
+    values = -backend.reduce_sum(p * logp, axis=axis)
     if normalize:
         # A one-class axis has H = 0; dividing by ln 1 = 0 would make it NaN.
         log_k = ops.log(ops.cast(ops.shape(x)[axis], values.dtype))
