@@ -90,3 +90,23 @@ def test_l1_and_l2_of_large_tensors_are_exact_to_float32_rounding(size):
     np.testing.assert_allclose(to_numpy(P.l2(tx)), np.square(x64).sum(), rtol=1e-6)
     np.testing.assert_array_equal(grad(P.l1, tx), np.sign(x))
     np.testing.assert_allclose(grad(P.l2, tx), 2.0 * x, rtol=1e-6)
+
+
+def test_l1_and_l2_of_large_rows_under_vectorized_map():
+    """Per-row Σ|x| and Σx² through `ops.vectorized_map` (torch.vmap on
+    torch, where the blocked sums of large tensors sum plainly)."""
+    x = np.random.default_rng(3).normal(size=(2, 2**20 + 3)).astype("float32")
+    tx = ops.convert_to_tensor(x)
+    np.testing.assert_allclose(to_numpy(ops.vectorized_map(P.l1, tx)), np.abs(x.astype(np.float64)).sum(1), rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(ops.vectorized_map(P.l2, tx)), np.square(x.astype(np.float64)).sum(1), rtol=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.autocast is torch's (it runs bmm, which torch's large Σx² uses, in half precision)")
+def test_l2_of_a_large_tensor_stays_float32_under_torch_autocast():
+    import torch
+
+    x = np.random.default_rng(4).normal(size=2**20 + 3).astype("float32")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = P.l2(ops.convert_to_tensor(x))
+    assert value.dtype == torch.float32
+    np.testing.assert_allclose(to_numpy(value), np.square(x.astype(np.float64)).sum(), rtol=1e-6)

@@ -29,6 +29,9 @@ organises `keras/src/backend/`:
   for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
   `autograd.Function`), so nothing is recomputed and no chunk's temporaries
   outlive it.
+- `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax
+  of its inputs (`ops._numerics.sharing`; torch only: XLA and TF's graph
+  optimizer merge repeated ones).
 - `CHUNK_ELEMENTS`, `HEAD_CHUNK_ELEMENTS`: elements per chunk for
   `chunk_size="auto"` (rows = elements // classes), of formed logits
   (`map_chunks`) and of logits formed from hidden states (`chunked_sum`):
@@ -103,11 +106,13 @@ sum_over_replicas = _module.sum_over_replicas
 loss_replicas = _module.loss_replicas
 outside_distribution = _module.outside_distribution
 CHUNK_ELEMENTS = _module.CHUNK_ELEMENTS
+SHARES_SOFTMAX = _module.SHARES_SOFTMAX
 HEAD_CHUNK_ELEMENTS = _module.HEAD_CHUNK_ELEMENTS
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",
+    "SHARES_SOFTMAX",
     "add_to_row",
     "as_tensor",
     "chunked_sum",

@@ -28,6 +28,9 @@ from keras_penalties.backend._common import (  # noqa: F401
     unit_clip,
 )
 
+# XLA merges an objective's repeated log-softmaxes itself (num.sharing).
+SHARES_SOFTMAX = False
+
 # chunk_size="auto" (bench/results/README.md): 512 rows of a 32000
 # vocabulary and 128 of 128256 were the fastest chunks of logits measured
 # here (512 rows of 128256 made entropy twice as slow); 64 rows of 128256

@@ -16,6 +16,11 @@ from keras_penalties.backend._common import (  # noqa: F401
     add_to_row, as_tensor, divide_by_count, increment, js_rows, norm, proximal_step, reduce_sum, smallest_normal, stack, sum_abs, sum_of_squares, unit_clip,
 )
 
+# TF's graph optimizer (common subgraph elimination) can merge an
+# objective's repeated log-softmaxes, and a GradientTape inside a term
+# would not see one formed before it (num.sharing).
+SHARES_SOFTMAX = False
+
 # chunk_size="auto" (bench/results/README.md): about 1 M elements of logits
 # per chunk, 32 rows of a 32000 vocabulary and 8 of 128256, were the
 # fastest on the benchmark machine (masked KL reverse value+grad on

@@ -15,6 +15,11 @@ from keras_penalties.backend._common import (  # noqa: F401
     sum_over_replicas,
 )
 
+# Eager torch forms each log-softmax it is asked for: an objective's terms
+# share those of its inputs (num.sharing). A term's own autograd.grad or
+# torch.func transform sees x's graph or wraps x afresh, so it is safe.
+SHARES_SOFTMAX = True
+
 # chunk_size="auto" (bench/results/README.md): 128 rows of a 32000
 # vocabulary (they stay in cache) beat 512 rows and no chunking for logits;
 # 64 rows of 128256 from hidden states.
@@ -360,7 +365,7 @@ def sum_abs(x):
     [256, 512] 17 µs against 59 µs for torch's 1-norm; 10^7 elements
     1.4 ms against 4.2 ms)."""
     flat = x.reshape(-1)
-    if flat.numel() <= _ABS_BLOCK:
+    if flat.numel() <= _ABS_BLOCK or _transform_active():
         return torch.sum(torch.abs(flat))
     return _BlockReduction.apply(flat, "abs")
 
@@ -371,6 +376,8 @@ def sum_of_squares(x):
     flat = x.reshape(-1)
     if flat.numel() <= _DOT_ELEMENTS:
         return torch.dot(flat, flat)
+    if _transform_active():
+        return torch.sum(flat * flat)
     return _BlockReduction.apply(flat, "square")
 
 
@@ -396,13 +403,17 @@ class _BlockReduction(torch.autograd.Function):
     """Σ|x| or Σx² of a flat x, formed a block at a time, with the gradient
     sign(x)·g or 2x·g in one pass (autograd through the blocks took 5x the
     forward pass for the batched product's backward: 740 µs on a [784, 512]
-    kernel). The backward pass is itself differentiable (double backprop)."""
+    kernel). The backward pass is itself differentiable (double backprop).
+    Not under a `torch.func` transform (`vmap`: `ops.vectorized_map`),
+    which needs a rule of its own; the callers sum plainly there."""
 
     @staticmethod
     def forward(ctx, flat, kind):
         ctx.save_for_backward(flat)
         ctx.kind = kind
-        return _abs_in_blocks(flat) if kind == "abs" else _squares_in_rows(flat)
+        # Not in half precision under torch.autocast, which runs bmm so.
+        with torch.autocast(flat.device.type, enabled=False):
+            return _abs_in_blocks(flat) if kind == "abs" else _squares_in_rows(flat)
 
     @staticmethod
     def backward(ctx, upstream):

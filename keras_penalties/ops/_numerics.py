@@ -389,17 +389,23 @@ def _scaled(logits, temperature):
 # Inside `sharing(tensors)`, the (log-)softmax of each of those tensors is
 # formed once per temperature and axis, however many terms ask for it: an
 # objective's entropy bonus and KL on the same logits share one
-# log-softmax, as hand-written code would (on eager torch each is a pass
-# over the logits and a node of the backward pass; XLA would merge them
-# anyway). Only the tensors named are shared, never a chunk of them: a
-# chunk loop keeps one chunk's temporaries alive at a time. A context
-# variable, so that each thread (a tf.distribute replica) has its own.
+# log-softmax, as hand-written code would. Where the backend says so
+# (`backend.SHARES_SOFTMAX`: on eager torch each is a pass over the logits
+# and a node of the backward pass; XLA and TF's graph optimizer merge
+# them anyway, and a TF GradientTape inside a term would not see a softmax
+# formed before it). Only the tensors named are shared, never a chunk of
+# them: a chunk loop keeps one chunk's temporaries alive at a time. A
+# context variable, so that each thread has its own.
 _SHARING = contextvars.ContextVar("keras_penalties_sharing", default=None)
 
 
 @contextlib.contextmanager
 def sharing(tensors):
-    """Within: the log-probabilities of any of `tensors` are computed once."""
+    """Within: the log-probabilities of any of `tensors` are computed once
+    (where `backend.SHARES_SOFTMAX`)."""
+    if not backend.SHARES_SOFTMAX:
+        yield
+        return
     # The dict holds the tensors, so their ids stay theirs while it lives.
     token = _SHARING.set(({id(t): t for t in tensors}, {}))
     try:
