@@ -425,24 +425,24 @@ def shared(*tensors):
 
 
 def _shared(x, key, make):
-    shared = _SHARING.get()
-    if shared is None or id(x) not in shared[0]:
+    held = _SHARING.get()
+    if held is None or id(x) not in held[0]:
         return make()
-    cache = shared[1]
+    cache = held[1]
     if (id(x), key) not in cache:
         cache[id(x), key] = make()
     return cache[id(x), key]
 
 
 def _shared_value(x, key):
-    shared = _SHARING.get()
-    return None if shared is None else shared[1].get((id(x), key))
+    held = _SHARING.get()
+    return None if held is None else held[1].get((id(x), key))
 
 
 def _share(x, key, value):
-    shared = _SHARING.get()
-    if shared is not None and id(x) in shared[0]:
-        shared[1].setdefault((id(x), key), value)
+    held = _SHARING.get()
+    if held is not None and id(x) in held[0]:
+        held[1].setdefault((id(x), key), value)
 
 
 def scale_sum(total, x, reduction):
