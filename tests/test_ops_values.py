@@ -65,6 +65,27 @@ def test_js_in_place_value_has_the_differentiable_bits(from_logits):
         assert torch.equal(plain, tracked.detach())
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="only torch shares an objective's log-softmaxes and forms JS in place")
+def test_js_in_place_beside_a_shared_log_softmax():
+    """Where an objective shares one side's log-softmax with its other
+    terms, the in-place JS value leaves that one as it was and keeps the
+    differentiable form's bits."""
+    import torch
+
+    from keras_penalties.ops import _numerics as num
+
+    generator = torch.Generator().manual_seed(1)
+    p, q = 4.0 * torch.randn(2, 64, 1000, generator=generator)
+    tracked = P.js_divergence(p.clone().requires_grad_(True), q, from_logits=True, beta=0.3, reduction="none")
+    with num.sharing([q]):
+        logq = num.log_probs(q, from_logits=True, temperature=1.0, axis=-1)
+        before = logq.clone()
+        plain = P.js_divergence(p, q, from_logits=True, beta=0.3, reduction="none")
+        assert torch.equal(logq, before)
+        assert num.log_probs(q, from_logits=True, temperature=1.0, axis=-1) is logq
+    assert torch.equal(plain, tracked.detach())
+
+
 def test_js_under_vectorized_map():
     """`ops.vectorized_map` (torch.vmap on torch, where in-place ops cannot
     write a batched result into an unbatched tensor): one side batched, the

@@ -11,10 +11,10 @@ organises `keras/src/backend/`:
 - `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
   the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
   on TF, and on torch below 16 classes), reusing `log_softmax` if given.
-- `js_rows(p, logp, q, logq, beta, axis, reuse=False)`: the generalized
-  Jensen-Shannon divergence of each row from its distributions and their
-  logs (on torch, with `reuse`, in place in the caller's `logp` and `logq`
-  where nothing is differentiated).
+- `js_rows(p, logp, q, logq, beta, axis, reuse=(False, False))`: the
+  generalized Jensen-Shannon divergence of each row from its distributions
+  and their logs (on torch, where nothing is differentiated, in place in
+  whichever of the caller's `logp` and `logq` `reuse` marks as its own).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple

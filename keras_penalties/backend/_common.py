@@ -22,12 +22,12 @@ def softmax_pair(logits, axis, log_softmax=None):
     return ops.softmax(logits, axis=axis), log_softmax
 
 
-def js_rows(p, logp, q, logq, beta, axis, reuse=False):
+def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
     """β·Σ p (log p − log m) + (1 − β)·Σ q (log q − log m) along `axis`, with
     m = βp + (1 − β)q and log m as log(m + tiny), tiny the dtype's smallest
-    normal number (finite where both underflow). With `reuse`, `logp` and
-    `logq` are the caller's own temporaries: torch overwrites them where
-    nothing is differentiated."""
+    normal number (finite where both underflow). `reuse`: whether `logp`
+    and `logq` are the caller's own temporaries, which torch overwrites
+    where nothing is differentiated."""
     logm = ops.log(beta * p + (1.0 - beta) * q + smallest_normal(p.dtype))
     return beta * ops.sum(p * (logp - logm), axis=axis) + (1.0 - beta) * ops.sum(q * (logq - logm), axis=axis)
 

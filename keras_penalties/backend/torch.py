@@ -292,26 +292,26 @@ def unit_clip(grads, weights, clip_factor, eps):
     return out
 
 
-def js_rows(p, logp, q, logq, beta, axis, reuse=False):
-    """As `_common.js_rows`; with `reuse`, where nothing is differentiated,
-    in place in the caller's `logp` and `logq`, with m and (1 − β)·q the
-    only fresh tensors:
-    on CPU each fresh tensor is a page-faulted allocation of the whole
-    input's size, and the value on [2048, 32000] took 0.59 s this way (six
-    fresh tensors, softmax and log-softmax included) against 1.03-1.25 s
-    (thirteen; the peer's logaddexp form 0.86-0.93 s). The same operations
-    in the same order, so the same bits as the differentiable form. Under a
-    `torch.func` transform (`vmap`: `ops.vectorized_map`) the differentiable
-    form: a batched result cannot be written into an unbatched tensor."""
-    if (
-        not reuse
-        or (torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq)))
-        or _transform_active()
-    ):
+def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
+    """As `_common.js_rows`; where nothing is differentiated, in place: m
+    and (1 − β)·q are fresh, and log p − log m and log q − log m are formed
+    in the caller's `logp` and `logq` where `reuse` says they are its own
+    (one fresh tensor each where not: a log-softmax an objective shares
+    with its other terms). On CPU each fresh tensor is a page-faulted
+    allocation of the whole input's size, and the value on [2048, 32000]
+    took 0.59 s this way (six fresh tensors, softmax and log-softmax
+    included) against 1.03-1.25 s (thirteen; the peer's logaddexp form
+    0.86-0.93 s). The same operations in the same order, so the same bits
+    as the differentiable form. Under a `torch.func` transform (`vmap`:
+    `ops.vectorized_map`) the differentiable form: a batched result cannot
+    be written into an unbatched tensor."""
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in (p, logp, q, logq))) or _transform_active():
         return _common.js_rows(p, logp, q, logq, beta, axis)
     logm = p * beta
     logm.add_(q * (1.0 - beta)).add_(smallest_normal(p.dtype)).log_()
-    return beta * logp.sub_(logm).mul_(p).sum(axis) + (1.0 - beta) * logq.sub_(logm).mul_(q).sum(axis)
+    from_p = logp.sub_(logm) if reuse[0] else logp - logm
+    from_q = logq.sub_(logm) if reuse[1] else logq - logm
+    return beta * from_p.mul_(p).sum(axis) + (1.0 - beta) * from_q.mul_(q).sum(axis)
 
 
 def _transform_active():

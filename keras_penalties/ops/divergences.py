@@ -140,8 +140,8 @@ def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, a
     # fusing the sums (5 GB of temporaries for the value on [8192, 32000]
     # instead of none). Where both underflow, m = 0 and log m is finite.
     # logp and logq are this function's own, unless an objective shares
-    # them with its other terms: the backend may then reuse them.
-    return backend.js_rows(p, logp, q, logq, beta, axis, reuse=not num.shared(logp, logq))
+    # one with its other terms: the backend may reuse those that are.
+    return backend.js_rows(p, logp, q, logq, beta, axis, reuse=(not num.shared(logp), not num.shared(logq)))
 
 
 def _beta(name: str, value: float) -> float:
