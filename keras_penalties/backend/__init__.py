@@ -15,6 +15,9 @@ organises `keras/src/backend/`:
   generalized Jensen-Shannon divergence of each row from its distributions
   and their logs (on torch, where nothing is differentiated, in place in
   whichever of the caller's `logp` and `logq` `reuse` marks as its own).
+- `pick_labels(values, labels, axis)`: each position's entry of `values`
+  at its integer label along `axis` (a gather; on JAX one whose gradient
+  is a select that XLA fuses, not a scatter into a zeroed buffer).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
@@ -89,6 +92,7 @@ replicas_in_sync = _module.replicas_in_sync
 softmax_pair = _module.softmax_pair
 js_rows = _module.js_rows
 smallest_normal = _module.smallest_normal
+pick_labels = _module.pick_labels
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
 stack = _module.stack
@@ -124,6 +128,7 @@ __all__ = [
     "map_chunks",
     "outside_distribution",
     "parameter_probe",
+    "pick_labels",
     "project",
     "proximal_step",
     "reduce_sum",

@@ -32,6 +32,12 @@ def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
     return beta * ops.sum(p * (logp - logm), axis=axis) + (1.0 - beta) * ops.sum(q * (logq - logm), axis=axis)
 
 
+def pick_labels(values, labels, axis):
+    """values[..., labels[...], ...] along `axis`: each position's entry at
+    its integer label (`labels` has `values`' shape without `axis`)."""
+    return ops.squeeze(ops.take_along_axis(values, ops.expand_dims(labels, axis), axis=axis), axis)
+
+
 def smallest_normal(dtype):
     """The smallest normal number of a float dtype, as a Python float."""
     return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)

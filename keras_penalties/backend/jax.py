@@ -129,6 +129,28 @@ def _scale_rows(grads, upstream):
     return jax.lax.fori_loop(0, grads.shape[0], step, grads)
 
 
+def pick_labels(values, labels, axis):
+    """As `_common.pick_labels` (a gather), with a forward-mode rule, a
+    masked sum, whose transpose is a select that XLA fuses into whatever
+    consumes the gradient: reverse mode through the gather is a scatter
+    into a zeroed buffer the size of `values` (in a chunk of logits from
+    hidden states, one more [rows, V] temporary)."""
+    return _pick(values, labels, axis % values.ndim)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _pick(values, labels, axis):
+    return jnp.take_along_axis(values, jnp.expand_dims(labels, axis), axis=axis).squeeze(axis)
+
+
+@_pick.defjvp
+def _pick_jvp(axis, primals, tangents):
+    values, labels = primals
+    tangent = tangents[0]
+    hit = jax.lax.broadcasted_iota(labels.dtype, values.shape, axis) == jnp.expand_dims(labels, axis)
+    return _pick(values, labels, axis), jnp.sum(jnp.where(hit, tangent, jnp.zeros((), tangent.dtype)), axis=axis)
+
+
 def project(rows, kernel, transpose_kernel):
     """`rows @ kernel`, or `rows @ kernelᵀ` without a transposed copy (a
     `dot_general` contracting the kernel's last axis)."""
@@ -141,6 +163,41 @@ def kernel_grad(hidden, dlogits, transpose_kernel):
     dlogitsᵀ·hidden [V, H] for a transposed (tied) kernel."""
     first, second = (dlogits, hidden) if transpose_kernel else (hidden, dlogits)
     return jax.lax.dot_general(first, second, (((0,), (0,)), ((), ())))
+
+
+def _add_kernel_grad(total, hidden, dlogits, transpose_kernel):
+    """total + kernel_grad(hidden, dlogits), a block of the kernel's rows at
+    a time (a loop: each block's product is added, in place, before the
+    next is formed), each block about the size of the chunk's logits.
+
+    XLA:CPU fuses no dot with an add: the whole [H, V] product was a
+    temporary beside the sum (cross-entropy from hidden states on
+    [2048 × 256 → 128256], 64-row chunks: 157 MB of temporaries, 125 MB of
+    them the product). A [H, V] kernel's blocks are rows of H (slices of
+    the chunk's hidden columns), a [V, H] one's rows of V (slices of the
+    logits' gradient columns)."""
+    rows, features = hidden.shape
+    classes = dlogits.shape[1]
+    length = classes if transpose_kernel else features
+    block = max(1, rows * classes // features) if transpose_kernel else rows
+    if length <= block:
+        return total + kernel_grad(hidden, dlogits, transpose_kernel)
+
+    def product(start, size):
+        if transpose_kernel:
+            part = jax.lax.dynamic_slice_in_dim(dlogits, start, size, 1)
+            return jax.lax.dot_general(part, hidden, (((0,), (0,)), ((), ())))
+        part = jax.lax.dynamic_slice_in_dim(hidden, start, size, 1)
+        return jax.lax.dot_general(part, dlogits, (((0,), (0,)), ((), ())))
+
+    def add(total, start, size):
+        so_far = jax.lax.dynamic_slice_in_dim(total, start, size, 0)
+        return jax.lax.dynamic_update_slice_in_dim(total, so_far + product(start, size), start, 0)
+
+    total = jax.lax.fori_loop(0, length // block, lambda b, t: add(t, b * block, block), total)
+    if length % block:
+        total = add(total, length - length % block, length % block)
+    return total
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
@@ -214,7 +271,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 logits, [chunk_rows[i] for i in row_wanted]
             )
             kernel_grads = [
-                g if g is None else g + kernel_grad(hidden[j], dlogits[j], transposed[j]) for j, g in enumerate(kernel_grads)
+                g if g is None else _add_kernel_grad(g, hidden[j], dlogits[j], transposed[j]) for j, g in enumerate(kernel_grads)
             ]
             bias_grads = [g if g is None else g + jnp.sum(dlogits[j], axis=0) for j, g in enumerate(bias_grads)]
             hidden_grads = [

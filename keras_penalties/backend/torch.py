@@ -10,6 +10,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     loss_replicas,
     norm,
     outside_distribution,
+    pick_labels,
     replicas_in_sync,
     smallest_normal,
     sum_over_replicas,

@@ -13,6 +13,7 @@ import functools
 
 from keras import ops
 
+from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops._tokens import LinearLogits, token_level
@@ -152,7 +153,7 @@ def _cross_entropy_values(
     logits: Tensor, *, labels: Tensor, from_logits: bool, label_smoothing: float, temperature: float, axis: int
 ) -> Tensor:
     logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
-    picked = ops.squeeze(ops.take_along_axis(logp, ops.expand_dims(labels, axis), axis=axis), axis)
+    picked = backend.pick_labels(logp, labels, axis)
     if not label_smoothing:
         return -picked
     return -(1.0 - label_smoothing) * picked - label_smoothing * num.mean(logp, axis=axis)
