@@ -66,6 +66,12 @@ FUNCTIONS = {
         lambda t, s, **kw: P.entropy(s, from_logits=True, normalize=True, **kw),
         lambda t, s: O.np_entropy(s, True, normalize=True, reduction="none"),
     ),
+    # Plain cross-entropy: on TF, chunks from hidden states take the fused
+    # sparse_softmax_cross_entropy_with_logits.
+    "cross_entropy": (
+        lambda t, s, **kw: P.cross_entropy(LABELS[: s.shape[0], : s.shape[1]], s, **kw),
+        lambda t, s: O.np_cross_entropy(LABELS, s, reduction="none"),
+    ),
     "cross_entropy_smoothed": (
         lambda t, s, **kw: P.cross_entropy(LABELS[: s.shape[0], : s.shape[1]], s, label_smoothing=0.1, temperature=1.5, **kw),
         lambda t, s: O.np_cross_entropy(LABELS, s, label_smoothing=0.1, temperature=1.5, reduction="none"),

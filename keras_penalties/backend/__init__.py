@@ -18,6 +18,11 @@ organises `keras/src/backend/`:
 - `pick_labels(values, labels, axis)`: each position's entry of `values`
   at its integer label along `axis` (a gather; on JAX one whose gradient
   is a select that XLA fuses, not a scatter into a zeroed buffer).
+- `label_cross_entropy(logits, labels, axis)`: −log softmax(logits) at
+  each position's label by a cheaper way than a log-softmax and a pick, or
+  None where there is none (TF inside a chunk loop: the fused
+  `sparse_softmax_cross_entropy_with_logits`, which has no second
+  derivative, and a chunk's gradient is first order anyway).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
@@ -93,6 +98,7 @@ softmax_pair = _module.softmax_pair
 js_rows = _module.js_rows
 smallest_normal = _module.smallest_normal
 pick_labels = _module.pick_labels
+label_cross_entropy = _module.label_cross_entropy
 sum_of_squares = _module.sum_of_squares
 sum_abs = _module.sum_abs
 stack = _module.stack
@@ -124,6 +130,7 @@ __all__ = [
     "gradients",
     "increment",
     "js_rows",
+    "label_cross_entropy",
     "loss_replicas",
     "map_chunks",
     "outside_distribution",

@@ -13,6 +13,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     divide_by_count,
     increment,
     js_rows,
+    label_cross_entropy,
     loss_replicas,
     norm,
     outside_distribution,

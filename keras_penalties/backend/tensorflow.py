@@ -7,6 +7,8 @@ means by it wherever a strategy is in scope.
 """
 
 import concurrent.futures
+import contextlib
+import contextvars
 
 import tensorflow as tf
 from keras import ops
@@ -57,6 +59,35 @@ def _recorded(tensor):
     gradient). TF's own `custom_gradient` asks this; the helper is private,
     and without it every input counts as recorded."""
     return _keras_internals.tf_records_backprop([tensor])
+
+
+# Whether the code running is the forward pass of a chunk of logits formed
+# from hidden states (`chunked_sum`), whose gradient is taken once: where
+# `label_cross_entropy` fuses.
+_in_chunk = contextvars.ContextVar("keras_penalties_tf_in_chunk", default=False)
+
+
+@contextlib.contextmanager
+def _chunk_body():
+    token = _in_chunk.set(True)
+    try:
+        yield
+    finally:
+        _in_chunk.reset(token)
+
+
+def label_cross_entropy(logits, labels, axis):
+    """As `_common.label_cross_entropy`: in a chunk of logits formed from
+    hidden states (`chunked_sum`, first order only), TF's fused
+    `sparse_softmax_cross_entropy_with_logits`, whose one op forms the
+    values and the logits' gradient (softmax − one-hot) and whose gradient
+    has no second derivative; None elsewhere. Cross-entropy from hidden
+    states [2048 × 256 → 128256], 130-row chunks: 3.48 → 3.05 s, peak
+    496 → 367 MB. Not in `map_chunks`: on formed logits in the 8-row
+    chunks of "auto" it took 1.36 s against 0.77 s (the same at 128 rows)."""
+    if not _in_chunk.get() or axis not in (-1, len(logits.shape) - 1) or logits.dtype not in (tf.float32, tf.float64):
+        return None
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
 
 def map_chunks(fn, chunks, dtype):
@@ -211,7 +242,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 hidden = [cast(h[i]) for h in hidden_chunks]
                 logits = [project(h, k, t) if b is None else project(h, k, t) + b for h, (k, b), t in zip(hidden, params, transposed)]
                 watched = [logits[j] for j in range(len(heads)) if any(wanted[j])] + [chunk_rows[i] for i in row_wanted]
-                with tf.GradientTape() as tape:
+                with tf.GradientTape() as tape, _chunk_body():
                     tape.watch(watched)
                     value = tf.reduce_sum(weights[i] * fn(logits, chunk_rows))
                 grads = iter(tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else [])

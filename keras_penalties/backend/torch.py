@@ -7,6 +7,7 @@ from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
 from keras_penalties.backend._common import (  # noqa: F401
     TINY,
+    label_cross_entropy,
     loss_replicas,
     norm,
     outside_distribution,

@@ -152,6 +152,10 @@ def cross_entropy(
 def _cross_entropy_values(
     logits: Tensor, *, labels: Tensor, from_logits: bool, label_smoothing: float, temperature: float, axis: int
 ) -> Tensor:
+    if from_logits and not label_smoothing and temperature == 1.0:
+        fused = backend.label_cross_entropy(logits, labels, axis)
+        if fused is not None:
+            return fused
     logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
     picked = backend.pick_labels(logp, labels, axis)
     if not label_smoothing:
