@@ -136,7 +136,11 @@ def pick_labels(values, labels, axis):
     consumes the gradient: reverse mode through the gather is a scatter
     into a zeroed buffer the size of `values` (in a chunk of logits from
     hidden states, one more [rows, V] temporary)."""
-    return _pick(values, labels, axis % values.ndim)
+    axis = axis % values.ndim
+    # A negative label counts from the end, as the gather reads it, for the
+    # tangent rule's mask too.
+    labels = jnp.where(labels < 0, labels + values.shape[axis], labels)
+    return _pick(values, labels, axis)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -167,6 +171,17 @@ def kernel_grad(hidden, dlogits, transpose_kernel):
 
 
 def _add_kernel_grad(total, hidden, dlogits, transpose_kernel):
+    """total + kernel_grad(hidden, dlogits); on CPU a block at a time (see
+    `_add_kernel_grad_in_blocks`). The blocks were measured on CPU only,
+    and XLA:GPU's GEMM rewriter can fold the add into the product (cuBLAS's
+    beta) where a loop of small products would cost a launch each: on other
+    platforms it stays the plain sum."""
+    if jax.default_backend() != "cpu":
+        return total + kernel_grad(hidden, dlogits, transpose_kernel)
+    return _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel)
+
+
+def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
     """total + kernel_grad(hidden, dlogits), a block of the kernel's rows at
     a time (a loop: each block's product is added, in place, before the
     next is formed), each block about the size of the chunk's logits.

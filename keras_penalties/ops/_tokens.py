@@ -99,7 +99,7 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
     if weights is not None:
         weights = ops.cast(num.sample_mask(weights, tensors[0], axis, "weights", boolean=False), compute)
     if labels is not None:
-        labels = _labels(labels, tensors[0], axis, mask)
+        labels = _labels(labels, tensors[0], axis, mask, weights)
     if any(lazy) and chunk_size is not None:
         total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
         return num.from_compute(total, dtype)
@@ -123,9 +123,10 @@ def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
         )
 
 
-def _labels(labels, like, axis, mask):
+def _labels(labels, like, axis, mask, weights=None):
     """`labels` as int32 of the per-position shape of `like`; 0 where `mask`
-    drops a position (padding labels such as -100 never index a class)."""
+    drops a position or `weights` is 0 (padding labels such as -100 never
+    index a class: TF's fused cross-entropy in a head chunk rejects them)."""
     labels = ops.convert_to_tensor(labels)
     expected, got = num.without_axis(like.shape, axis), tuple(labels.shape)
     if num.shapes_differ(got, expected):
@@ -134,7 +135,11 @@ def _labels(labels, like, axis, mask):
             f"index per position); got {got}."
         )
     labels = ops.cast(labels, "int32")
-    return labels if mask is None else ops.where(mask, labels, ops.zeros_like(labels))
+    if mask is not None:
+        labels = ops.where(mask, labels, ops.zeros_like(labels))
+    if weights is not None:
+        labels = ops.where(ops.not_equal(weights, 0), labels, ops.zeros_like(labels))
+    return labels
 
 
 def _row_weights(mask, weights, reduction, n, compute):
