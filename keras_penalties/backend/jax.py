@@ -201,10 +201,8 @@ def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
 
     def product(start, size):
         if transpose_kernel:
-            part = jax.lax.dynamic_slice_in_dim(dlogits, start, size, 1)
-            return jax.lax.dot_general(part, hidden, (((0,), (0,)), ((), ())))
-        part = jax.lax.dynamic_slice_in_dim(hidden, start, size, 1)
-        return jax.lax.dot_general(part, dlogits, (((0,), (0,)), ((), ())))
+            return kernel_grad(hidden, jax.lax.dynamic_slice_in_dim(dlogits, start, size, 1), True)
+        return kernel_grad(jax.lax.dynamic_slice_in_dim(hidden, start, size, 1), dlogits, False)
 
     def add(total, start, size):
         so_far = jax.lax.dynamic_slice_in_dim(total, start, size, 0)
