@@ -220,6 +220,39 @@ def test_the_kernel_gradient_in_several_blocks(elements, monkeypatch):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)
 
 
+@pytest.mark.skipif(
+    BACKEND != "tensorflow",
+    reason="TF runs a chunk's loss in blocks of rows inside the chunk's compiled function (a tf.function or XLA; "
+    "the sizes here make one block unless the budget is cut); JAX and torch take the chunk's loss whole",
+)
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("elements", [V, 2 * V])
+@pytest.mark.parametrize("lazy", ["both", "student"])
+@pytest.mark.parametrize("name", ["js_beta_t", "cross_entropy"])
+def test_a_chunks_loss_in_blocks_of_rows(name, lazy, elements, jit_compile, monkeypatch):
+    # Chunks of 4 rows: blocks of 1 row (V elements) or of 2 (2V). With the
+    # teacher's logits formed first, their gradient comes from the blocks too.
+    import tensorflow as tf
+
+    monkeypatch.setattr(backend._module, "CHUNK_ELEMENTS", elements)
+
+    def loss(fused, chunk_size, student_hidden, kernel, bias, teacher_hidden, embedding):
+        teacher = P.linear(teacher_hidden, embedding, transpose_kernel=True)
+        if lazy == "student" or not fused:
+            teacher = _materialised(teacher_hidden, embedding, transpose_kernel=True)
+        student = P.linear(student_hidden, kernel, bias) if fused else _materialised(student_hidden, kernel, bias)
+        return FUNCTIONS[name][0](teacher, student, chunk_size=chunk_size, mask=MASK)
+
+    @tf.function(jit_compile=jit_compile)
+    def fused(*x):
+        return backend.gradients(lambda *y: loss(True, 4, *y), list(x))
+
+    got = [to_numpy(g) for g in fused(*[tf.constant(x) for x in INPUTS.values()])]
+    expected = grads(lambda *x: loss(False, None, *x), *INPUTS.values())
+    for wrt, g, e in zip(INPUTS, got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)
+
+
 # --------------------------------------------------------------- cross-entropy
 
 

@@ -90,6 +90,21 @@ def label_cross_entropy(logits, labels, axis):
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
 
+def _compiled(fn, xla):
+    """`fn` compiled by XLA (`tf.function(jit_compile=True)`) when it will
+    be traced into a graph that XLA does not already compile; as it is
+    eagerly, where each call would trace and compile it anew. A chunk's
+    passes over its logits (softmax, logs, products, sums, and their
+    gradients) then run fused, as on JAX, instead of one TF kernel and one
+    chunk-sized buffer each: masked KL reverse value + gradient on
+    [8192, 32000] in 512-row chunks took 0.74 s against 1.17 s (raw TF
+    0.99-1.18 s), entropy 0.56 s against 0.89 s (bench/results/README.md,
+    seventh round)."""
+    if xla or tf.executing_eagerly():
+        return fn
+    return tf.function(fn, jit_compile=True, autograph=False)
+
+
 def map_chunks(fn, chunks, dtype):
     """`fn` over the leading axis of the tuple `chunks`, stacked (values of
     `dtype`), without keeping any chunk's temporaries for the backward pass.
@@ -135,13 +150,18 @@ def map_chunks(fn, chunks, dtype):
         xs = [tf.stop_gradient(x) for x in xs]
 
         def loop(wanted):
-            def step(i, values, slopes):
-                chunk = [tf.cast(x[i], dtype) if x.dtype.is_floating else x[i] for x in xs]
+            def body(*chunk):
                 watched = [chunk[j] for j in wanted]
                 with tf.GradientTape() as tape:
                     tape.watch(watched)
-                    chunk_values = fn(tuple(chunk))
+                    chunk_values = fn(chunk)
                 grads = tape.gradient(chunk_values, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+                return chunk_values, grads
+
+            body = _compiled(body, xla)
+
+            def step(i, values, slopes):
+                chunk_values, grads = body(*[tf.cast(x[i], dtype) if x.dtype.is_floating else x[i] for x in xs])
                 return i + 1, values.write(i, chunk_values), tuple(put(s, i, g) for s, g in zip(slopes, grads))
 
             # One iteration at a time: parallel ones would each hold a chunk.
@@ -237,15 +257,29 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             return tf.raw_ops.InplaceUpdate(x=so_far, i=tf.reshape(i, [1]), v=chunk_rows[None])
 
         def loop(row_wanted, wanted):
+            def loss(logits, chunk_rows, weight):
+                # The chunk's value and its logits' (and float rows')
+                # gradient, compiled by XLA (`_compiled`); the products
+                # stay TF's (oneDNN), faster here than XLA's: cross-entropy
+                # from hidden states 3.00 s, 2.58 s with this compiled,
+                # 2.76 s with the logits' product compiled too.
+                watched = [logits[j] for j in range(len(heads)) if any(wanted[j])] + [chunk_rows[i] for i in row_wanted]
+                with tf.GradientTape() as tape, _chunk_body():
+                    tape.watch(watched)
+                    value = tf.reduce_sum(weight * fn(logits, chunk_rows))
+                grads = tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+                return value, grads
+
+            if xla or not tf.executing_eagerly():
+                outputs = sum(any(w) for w in wanted) + len(row_wanted)
+                loss = _compiled(_in_blocks(loss, chunk_size, dtype, outputs), xla)
+
             def step(i, total, kernel_grads, bias_grads, row_grads, hidden_grads):
                 chunk_rows = [cast(r[i]) for r in row_chunks]
                 hidden = [cast(h[i]) for h in hidden_chunks]
                 logits = [project(h, k, t) if b is None else project(h, k, t) + b for h, (k, b), t in zip(hidden, params, transposed)]
-                watched = [logits[j] for j in range(len(heads)) if any(wanted[j])] + [chunk_rows[i] for i in row_wanted]
-                with tf.GradientTape() as tape, _chunk_body():
-                    tape.watch(watched)
-                    value = tf.reduce_sum(weights[i] * fn(logits, chunk_rows))
-                grads = iter(tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else [])
+                value, grads = loss(logits, chunk_rows, weights[i])
+                grads = iter(grads)
                 dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
                 row_grads = tuple(put(b, i, tf.cast(next(grads), rows[k].dtype)) for b, k in zip(row_grads, row_wanted))
                 kernel_grads = tuple(
@@ -308,6 +342,47 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         return total, gradient
 
     return run(weights, *flat)
+
+
+def _in_blocks(fn, rows, dtype, outputs):
+    """`fn(logits, chunk_rows, weight)` -> (value, `outputs` gradients of
+    `dtype`, each with the rows on its first axis), for a chunk of `rows`
+    rows, taken a block of rows at a time in a while loop, each block about
+    `CHUNK_ELEMENTS` of logits, as `map_chunks`' "auto". Under XLA, where
+    its `TensorArray` is one buffer written in place, the temporaries are
+    then a block's, not the chunk's: KL forward from hidden states
+    [2048 × 256 → 128256] in 128-row chunks, XLA's temporaries 129 →
+    7 MB, the call's peak 602 → 512 MB, its time unchanged. The blocks
+    divide `rows`; `fn` as it is when none does, or when the classes are
+    known only at run time."""
+
+    def blocked(logits, chunk_rows, weight):
+        classes = logits[0].shape[-1] if logits else None
+        if classes is None:
+            return fn(logits, chunk_rows, weight)
+        most = max(1, CHUNK_ELEMENTS // classes)
+        size = next(d for d in range(min(most, rows), 0, -1) if rows % d == 0)
+        if size == rows:
+            return fn(logits, chunk_rows, weight)
+        count = rows // size
+
+        def split(x):
+            return tf.reshape(x, tf.concat([[count, size], tf.shape(x)[1:]], 0))
+
+        def joined(x):
+            return tf.reshape(x, tf.concat([[rows], tf.shape(x)[2:]], 0))
+
+        logits, chunk_rows, weight = [split(x) for x in logits], [split(x) for x in chunk_rows], split(weight)
+
+        def step(i, total, grads):
+            value, block_grads = fn([x[i] for x in logits], [x[i] for x in chunk_rows], weight[i])
+            return i + 1, total + value, tuple(g.write(i, b) for g, b in zip(grads, block_grads))
+
+        start = (tf.constant(0), tf.zeros((), dtype), tuple(tf.TensorArray(dtype, size=count) for _ in range(outputs)))
+        _, total, grads = tf.while_loop(lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count)
+        return total, [joined(g.stack()) for g in grads]
+
+    return blocked
 
 
 # Elements of the kernel's gradient formed and added in place at a time:
