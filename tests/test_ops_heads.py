@@ -227,30 +227,50 @@ def test_the_kernel_gradient_in_several_blocks(elements, monkeypatch):
 )
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("elements", [V, 2 * V])
-@pytest.mark.parametrize("lazy", ["both", "student"])
-@pytest.mark.parametrize("name", ["js_beta_t", "cross_entropy"])
-def test_a_chunks_loss_in_blocks_of_rows(name, lazy, elements, jit_compile, monkeypatch):
+@pytest.mark.parametrize(
+    "name, teacher",
+    [("js_beta_t", "lazy"), ("js_beta_t", "formed"), ("kl_reverse", "frozen"), ("cross_entropy", "lazy")],
+)
+def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, monkeypatch):
     # Chunks of 4 rows: blocks of 1 row (V elements) or of 2 (2V). With the
-    # teacher's logits formed first, their gradient comes from the blocks too.
+    # teacher's logits formed first, their gradient comes from the blocks
+    # too; a frozen teacher's head gives the blocks one gradient fewer.
     import tensorflow as tf
 
     monkeypatch.setattr(backend._module, "CHUNK_ELEMENTS", elements)
+    blocks = []
+    block_rows = backend._module._block_rows
+    monkeypatch.setattr(backend._module, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
 
     def loss(fused, chunk_size, student_hidden, kernel, bias, teacher_hidden, embedding):
-        teacher = P.linear(teacher_hidden, embedding, transpose_kernel=True)
-        if lazy == "student" or not fused:
-            teacher = _materialised(teacher_hidden, embedding, transpose_kernel=True)
+        if teacher == "frozen":
+            teacher_hidden, embedding = ops.stop_gradient(teacher_hidden), ops.stop_gradient(embedding)
+        if teacher == "formed" or not fused:
+            teacher_logits = _materialised(teacher_hidden, embedding, transpose_kernel=True)
+        else:
+            teacher_logits = P.linear(teacher_hidden, embedding, transpose_kernel=True)
         student = P.linear(student_hidden, kernel, bias) if fused else _materialised(student_hidden, kernel, bias)
-        return FUNCTIONS[name][0](teacher, student, chunk_size=chunk_size, mask=MASK)
+        return FUNCTIONS[name][0](teacher_logits, student, chunk_size=chunk_size, mask=MASK)
 
     @tf.function(jit_compile=jit_compile)
     def fused(*x):
         return backend.gradients(lambda *y: loss(True, 4, *y), list(x))
 
     got = [to_numpy(g) for g in fused(*[tf.constant(x) for x in INPUTS.values()])]
+    assert blocks == [elements // V], blocks  # the blocked path ran, with blocks of that many rows
     expected = grads(lambda *x: loss(False, None, *x), *INPUTS.values())
     for wrt, g, e in zip(INPUTS, got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's blocks of a chunk's rows (see above); the others have none")
+def test_blocks_of_a_chunk_stay_near_the_budget():
+    block_rows = backend._module._block_rows
+    budget = backend._module.CHUNK_ELEMENTS  # 2**20: 8 rows of 128256, 32 of 32000
+    assert block_rows(128, 128256) == 8 and block_rows(130, 128256) == 5  # 5 divides 130; 4..8 allowed
+    assert block_rows(509, 32000) == 509  # no divisor in 16..32: the chunk whole, not 509 blocks of 1
+    assert block_rows(16, 32000) == 16 and block_rows(64, None) == 64  # within the budget; classes unknown
+    assert block_rows(64, budget) == 1
 
 
 # --------------------------------------------------------------- cross-entropy

@@ -9,6 +9,7 @@ means by it wherever a strategy is in scope.
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 
 import tensorflow as tf
 from keras import ops
@@ -103,9 +104,17 @@ def _compiled(fn, xla):
     [8192, 32000] in 512-row chunks took 0.74 s against 1.17 s (raw TF
     0.99-1.18 s), entropy 0.56 s against 0.89 s (bench/results/README.md,
     seventh round)."""
-    if xla or tf.executing_eagerly():
+    if xla or tf.executing_eagerly() or not _cpu_only():
         return fn
     return tf.function(fn, jit_compile=True, autograph=False)
+
+
+@functools.cache
+def _cpu_only():
+    """Whether TF sees no device but CPUs: where compiling the chunks was
+    measured. With a GPU Keras' `fit` compiles the whole step with XLA
+    anyway; a pluggable device may have no XLA compiler at all."""
+    return all(d.device_type == "CPU" for d in tf.config.list_physical_devices())
 
 
 def map_chunks(fn, chunks, dtype):
@@ -347,6 +356,20 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     return run(weights, *flat)
 
 
+def _block_rows(rows, classes):
+    """Rows per block of a chunk of `rows` rows of `classes` logits: the
+    largest divisor of `rows` from `CHUNK_ELEMENTS // classes` down to half
+    that, as `chunk_rows` picks chunks; `rows` (the chunk whole) when none
+    is, or when the classes are known only at run time: blocks of a row or
+    two would make a loop of hundreds of steps per chunk."""
+    if classes is None:
+        return rows
+    most = max(1, CHUNK_ELEMENTS // classes)
+    if rows <= most:
+        return rows
+    return next((d for d in range(most, (most - 1) // 2, -1) if rows % d == 0), rows)
+
+
 def _in_blocks(fn, rows, dtype, outputs):
     """`fn(logits, chunk_rows, weight)` -> (value, `outputs` gradients of
     `dtype`, each with the rows on its first axis), for a chunk of `rows`
@@ -355,16 +378,11 @@ def _in_blocks(fn, rows, dtype, outputs):
     its `TensorArray` is one buffer written in place, the temporaries are
     then a block's, not the chunk's: KL forward from hidden states
     [2048 × 256 → 128256] in 128-row chunks, XLA's temporaries 129 →
-    7 MB, the call's peak 602 → 512 MB, its time unchanged. The blocks
-    divide `rows`; `fn` as it is when none does, or when the classes are
-    known only at run time."""
+    7 MB, the call's peak 602 → 512 MB, its time unchanged (`_block_rows`
+    says how many rows)."""
 
     def blocked(logits, chunk_rows, weight):
-        classes = logits[0].shape[-1] if logits else None
-        if classes is None:
-            return fn(logits, chunk_rows, weight)
-        most = max(1, CHUNK_ELEMENTS // classes)
-        size = next(d for d in range(min(most, rows), 0, -1) if rows % d == 0)
+        size = _block_rows(rows, logits[0].shape[-1] if logits else None)
         if size == rows:
             return fn(logits, chunk_rows, weight)
         count = rows // size
