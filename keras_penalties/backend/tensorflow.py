@@ -96,17 +96,21 @@ def label_cross_entropy(logits, labels, axis):
 
 def _compiled(fn, xla):
     """`fn` compiled by XLA (`tf.function(jit_compile=True)`) when it will
-    be traced into a graph that XLA does not already compile; as it is
-    eagerly, where each call would trace and compile it anew. A chunk's
+    be traced into a graph that XLA does not already compile and TF sees
+    only CPUs (`_compiles`); as it is eagerly, where each call would trace
+    and compile it anew. A chunk's
     passes over its logits (softmax, logs, products, sums, and their
     gradients) then run fused, as on JAX, instead of one TF kernel and one
     chunk-sized buffer each: masked KL reverse value + gradient on
     [8192, 32000] in 512-row chunks took 0.74 s against 1.17 s (raw TF
     0.99-1.18 s), entropy 0.56 s against 0.89 s (bench/results/README.md,
     seventh round)."""
-    if xla or tf.executing_eagerly() or not _cpu_only():
-        return fn
-    return tf.function(fn, jit_compile=True, autograph=False)
+    return tf.function(fn, jit_compile=True, autograph=False) if _compiles(xla) else fn
+
+
+def _compiles(xla):
+    """Whether `_compiled` compiles here."""
+    return not xla and not tf.executing_eagerly() and _cpu_only()
 
 
 @functools.cache
@@ -282,7 +286,9 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 grads = tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
                 return value, grads
 
-            if xla or not tf.executing_eagerly():
+            if xla or _compiles(xla):
+                # In blocks only where XLA compiles them: in a plain graph
+                # a block's ops would each be a small TF kernel.
                 outputs = sum(any(w) for w in wanted) + len(row_wanted)
                 loss = _compiled(_in_blocks(loss, chunk_size, dtype, outputs), xla)
 
