@@ -211,8 +211,9 @@ def test_a_tied_embedding_is_read_transposed():
 @pytest.mark.parametrize("elements", [1, 25])
 def test_the_kernel_gradient_in_several_blocks(elements, monkeypatch):
     # 1 element: a block per kernel row; 25: the student's [6, 11] kernel in
-    # three blocks of 2 rows, the teacher's tied [11, 6] embedding in blocks
-    # of 4, 4 and 3 rows.
+    # three blocks of 2 rows (they divide its rows: the sum seen as one row
+    # per block), the teacher's tied [11, 6] embedding in blocks of 4, 4 and
+    # 3 rows (no divisor of 11 from 4 down to 2: added row by row).
     monkeypatch.setattr(backend._module, "_KERNEL_BLOCK_ELEMENTS", elements)
     fused = grads(lambda *x: _loss("js_beta_t", True, 4, MASK, *x), *INPUTS.values())
     expected = grads(lambda *x: _loss("js_beta_t", False, None, MASK, *x), *INPUTS.values())
