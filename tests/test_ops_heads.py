@@ -208,14 +208,25 @@ def test_a_tied_embedding_is_read_transposed():
     reason="TF adds the kernel's gradient in blocks of a fixed number of elements (the sizes here make one block); "
     "JAX's blocks follow the chunk's rows (chunks of 2 and 4 above make several), torch adds it whole in place (addmm_)",
 )
+@pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("elements", [1, 25])
-def test_the_kernel_gradient_in_several_blocks(elements, monkeypatch):
+def test_the_kernel_gradient_in_several_blocks(elements, graph, monkeypatch):
     # 1 element: a block per kernel row; 25: the student's [6, 11] kernel in
     # three blocks of 2 rows (they divide its rows: the sum seen as one row
     # per block), the teacher's tied [11, 6] embedding in blocks of 4, 4 and
-    # 3 rows (no divisor of 11 from 4 down to 2: added row by row).
+    # 3 rows (no divisor of 11 from 4 down to 2: added row by row). In a
+    # tf.function the blocks' products are ordered by control dependencies
+    # inside the chunk loop; eagerly they are not.
+    import tensorflow as tf
+
     monkeypatch.setattr(backend._module, "_KERNEL_BLOCK_ELEMENTS", elements)
-    fused = grads(lambda *x: _loss("js_beta_t", True, 4, MASK, *x), *INPUTS.values())
+
+    def fused_grads(*x):
+        return backend.gradients(lambda *y: _loss("js_beta_t", True, 4, MASK, *y), list(x))
+
+    if graph:
+        fused_grads = tf.function(fused_grads)
+    fused = [to_numpy(g) for g in fused_grads(*[tf.constant(x) for x in INPUTS.values()])]
     expected = grads(lambda *x: _loss("js_beta_t", False, None, MASK, *x), *INPUTS.values())
     for wrt, g, e in zip(INPUTS, fused, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)

@@ -427,15 +427,18 @@ def _add_kernel_grad(total, dlogits, hidden, transposed, xla):
     """total + the kernel's gradient from one chunk: hiddenᵀ·dlogits [H, V],
     or dlogitsᵀ·hidden [V, H] for a transposed (tied) kernel. Outside XLA,
     in place, a block of the kernel's rows at a time (`InplaceAdd`): no
-    whole product per chunk, and the sum is not rewritten whole. A [H, V]
-    kernel's blocks are rows of H (columns of the chunk's hidden rows), a
-    [V, H] one's rows of V (columns of the logits' gradient).
+    product larger than a block (about `_KERNEL_BLOCK_ELEMENTS`, or the
+    kernel's when it is smaller), and the sum is not rewritten whole. A
+    [H, V] kernel's blocks are rows of H (columns of the chunk's hidden
+    rows), a [V, H] one's rows of V (columns of the logits' gradient).
 
     One block's product at a time (a control dependency on the sum so far):
-    unordered, TF formed every block's product at once. And where the
-    block's rows divide the kernel's (`_divisor_near`), the sum is seen as
-    one row per block (a reshape, the same buffer), so that each block is
-    one `InplaceAdd` row: it adds row by row. Cross-entropy from hidden
+    unordered, TF formed every block's product at once. Blocks are the
+    largest divisor of the kernel's rows from the budget's rows down to
+    half that (`_divisor_near`); with one, the sum is seen as one row per
+    block (a reshape, the same buffer), so that each block is one
+    `InplaceAdd` row (it adds row by row); with none, blocks of the
+    budget's rows are added row by row. Cross-entropy from hidden
     states [2048 × 256 → 128256]: the first call's peak 460 → 397 MB, the
     call 3–4.5 % faster (bench/results/README.md, round eight)."""
     classes, features = dlogits.shape[1], hidden.shape[1]
