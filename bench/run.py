@@ -7,7 +7,9 @@ bench/results/<backend>.json and .md.
 
 Times: ours and the reference alternate call by call in one process (a fresh
 one per case), after warm-up, so both see the same machine state; the ratio
-is of the medians.
+is of the medians. Where both sides do not fit in one process (the run is
+killed for memory), each side is timed in fresh processes of its own, two
+per side, alternating (the row says so).
 Memory: each side runs in a fresh subprocess; its peak resident memory above
 what the inputs already take (Linux VmHWM, reset after building the inputs
 and warming up) is the side's peak memory. On TensorFlow, whose CPU
@@ -86,19 +88,33 @@ def measure_memory(index, side, small):
     return int(_child(["--memory", str(index), side] + (["--small"] if small else []), "PEAK"))
 
 
-def timed(index, small, repeats):
-    """Run in a subprocess: the case's alternating times, and bytes processed."""
+def timed(index, small, repeats, side=None):
+    """Run in a subprocess: the case's alternating times (or, with `side`,
+    that side's alone), and bytes processed."""
     work = CASES[index].build(small)
-    return {"times": measure_time(work, repeats), "bytes": work.get("bytes")}
+    sides = ("ours", "reference") if side is None else (side,)
+    return {"times": measure_time(work, repeats, sides), "bytes": work.get("bytes")}
 
 
-def measure_time(work, repeats):
-    for _ in range(2):
-        work["ours"](), work["reference"]()
+def _timed_apart(index, small, repeats):
+    """Each side in fresh processes of its own, two per side, alternating
+    (for cases whose sides do not fit in memory together)."""
     times = {"ours": [], "reference": []}
-    for r in range(repeats):
-        order = ("ours", "reference") if r % 2 == 0 else ("reference", "ours")
+    for order in (("ours", "reference"), ("reference", "ours")):
         for side in order:
+            args = ["--time", str(index), str(repeats), "--side", side] + (["--small"] if small else [])
+            result = json.loads(_child(args, "TIMES"))
+            times[side] += result["times"][side]
+    return {"times": times, "bytes": result["bytes"]}
+
+
+def measure_time(work, repeats, sides=("ours", "reference")):
+    for _ in range(2):
+        for side in sides:
+            work[side]()
+    times = {side: [] for side in sides}
+    for r in range(repeats):
+        for side in sides if r % 2 == 0 else sides[::-1]:
             start = time.perf_counter()
             work[side]()
             times[side].append((time.perf_counter() - start) / work.get("per", 1))
@@ -127,7 +143,13 @@ def measure(index, small, repeats, memory=True):
     try:
         # Each case runs in fresh processes, so no case inherits another's
         # allocations (TensorFlow's allocator keeps what it has used).
-        result = json.loads(_child(["--time", str(index), str(repeats)] + (["--small"] if small else []), "TIMES"))
+        try:
+            result = json.loads(_child(["--time", str(index), str(repeats)] + (["--small"] if small else []), "TIMES"))
+        except CaseFailed as error:
+            if "out of memory" not in str(error):
+                raise
+            result = _timed_apart(index, small, repeats)
+            row["timed_apart"] = True
         times, nbytes = result["times"], result["bytes"]
         for side in ("ours", "reference"):
             row[side] = {
@@ -228,6 +250,8 @@ def markdown(report):
         met = "" if row["met"] is None else (" ✓" if row["met"] else " ✗")
         runs = row.get("repeats", report["repeats"])
         name = row["case"] if runs == usual else f"{row['case']} ({runs} runs)"
+        if row.get("timed_apart"):
+            name += " (each side timed in processes of its own: together they do not fit in memory)"
         lines.append(
             f"| {name} | {row['reference_name']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
             f"| {r['median_s'] * 1e3:.2f} ms ({r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}) "
@@ -245,9 +269,10 @@ def main():
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--memory", nargs=2, metavar=("INDEX", "SIDE"), help=argparse.SUPPRESS)
     parser.add_argument("--time", nargs=2, metavar=("INDEX", "REPEATS"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("ours", "reference"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.time:
-        print("TIMES", json.dumps(timed(int(args.time[0]), args.small, int(args.time[1]))))
+        print("TIMES", json.dumps(timed(int(args.time[0]), args.small, int(args.time[1]), args.side)))
         return
     if args.memory:
         print("PEAK", peak_memory(int(args.memory[0]), args.memory[1], args.small))

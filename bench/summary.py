@@ -25,7 +25,7 @@ def table():
     if not reports:
         raise SystemExit("No results yet: run `make bench` first.")
     os.environ.setdefault("KERAS_BACKEND", next(iter(reports)))
-    from bench.cases import CASES, OUT_OF_REACH
+    from bench.cases import CASES, OUT_OF_REACH, PEER_OUT_OF_MEMORY
 
     first = next(iter(reports.values()))
     header = " | ".join(f"{b}: time (memory)" for b in reports)
@@ -39,7 +39,10 @@ def table():
             if r is not None:
                 reference = r["reference_name"]
             if r is None or "error" in r:
-                cells.append("not run yet" if r is None else "not measured")
+                mark = "‡" if r is not None and (backend, case.name) in PEER_OUT_OF_MEMORY else ""
+                if mark:
+                    notes.append(f"- ‡ {backend}, {case.name}: {PEER_OUT_OF_MEMORY[backend, case.name]}.")
+                cells.append("not run yet" if r is None else f"not measured{mark}")
                 continue
             memory = "" if r["memory_ratio"] is None else f" ({r['memory_ratio']:.2f})"
             mark = "" if r["met"] is None else (" ✓" if r["met"] else " ✗")
@@ -52,7 +55,8 @@ def table():
         lines.append(f"| {case.name} | {reference} | {case.target} | " + " | ".join(cells) + " |")
     machine = first["machine"]
     intro = (f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
-             "memory ratio in parentheses; ✓/✗ against the target; ✗†: missed in this run, and shown by a measurement to be out of reach or at the target by construction (listed under the table).")
+             "memory ratio in parentheses; ✓/✗ against the target; ✗†: missed in this run, and shown by a measurement to be out of reach or at the target by construction; "
+             "not measured‡: the native peer alone does not fit in this machine's memory, so there is no ratio (both listed under the table).")
     return intro + "\n\n" + "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 

@@ -41,6 +41,24 @@ def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch
     assert "not measured: " in (tmp_path / f"{report['backend']}.md").read_text()
 
 
+def test_sides_that_do_not_fit_together_are_timed_in_processes_of_their_own(tmp_path, monkeypatch):
+    real, calls = run._child, []
+
+    def together_out_of_memory(args, tag):
+        calls.append(args)
+        if tag == "TIMES" and "--side" not in args:
+            raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
+        return real(args, tag)
+
+    monkeypatch.setattr(run, "_child", together_out_of_memory)
+    report = run.run(small=True, repeats=1, only="l1 1e+07", output=tmp_path)
+    (row,) = report["cases"]
+    assert row["timed_apart"] and "error" not in row and row["time_ratio"] > 0
+    sides = [args[args.index("--side") + 1] for args in calls if "--side" in args]
+    assert sides == ["ours", "reference", "reference", "ours"]
+    assert "processes of its own" in (tmp_path / f"{report['backend']}.md").read_text()
+
+
 def test_only_with_a_trailing_dollar_matches_the_end_of_a_name():
     # A chunked LLM row's name is also the start of its "vs none" row's.
     names = [c.name for c in run.CASES]
@@ -56,12 +74,12 @@ def test_the_summary_table_has_a_row_per_committed_case():
 
 
 def test_rows_shown_out_of_reach_name_a_backend_and_a_case():
-    # The summary marks these ✗† and explains them; a renamed case must not
+    # The summary marks these ✗† (or not measured‡) and explains them; a renamed case must not
     # silently drop its explanation.
     from bench import cases
 
     names = {case.name for case in run.CASES}
-    for backend, name in cases.OUT_OF_REACH:
+    for backend, name in list(cases.OUT_OF_REACH) + list(cases.PEER_OUT_OF_MEMORY):
         assert backend in summary.BACKENDS and name in names, (backend, name)
 
 
