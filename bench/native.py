@@ -143,11 +143,12 @@ def js(a, b):
 
 def _tf_logaddexp(x, y):
     """log(eˣ + eʸ) for finite x, y, written the standard stable way (TF has
-    no logaddexp op): max + log1p(e^−|x − y|). The peers on JAX and torch
-    take log m by logaddexp too. A `reduce_logsumexp` over `tf.stack([x, y])`
-    was killed for memory on this 24 GB machine for JS value+grad at
-    [8192, 32000]; this form fits there (bench/results/README.md, ninth
-    round)."""
+    no logaddexp op): max + log1p(e^−|x − y|), the value the JAX and torch
+    peers' logaddexp gives. Its gradient differs only where x == y
+    (`tf.maximum` sends it all to x), which random logits never meet. A
+    `reduce_logsumexp` over `tf.stack([x, y])` was killed for memory on this
+    24 GB machine for JS value+grad at [8192, 32000]; this form fits there
+    (bench/results/README.md, ninth round)."""
     import tensorflow as tf
 
     return tf.maximum(x, y) + tf.math.log1p(tf.exp(-tf.abs(x - y)))

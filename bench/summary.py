@@ -39,7 +39,8 @@ def table():
             if r is not None:
                 reference = r["reference_name"]
             if r is None or "error" in r:
-                mark = "‡" if r is not None and (backend, case.name) in PEER_OUT_OF_MEMORY else ""
+                measured_out = r is not None and "out of memory" in r["error"]
+                mark = "‡" if measured_out and (backend, case.name) in PEER_OUT_OF_MEMORY else ""
                 if mark:
                     notes.append(f"- ‡ {backend}, {case.name}: {PEER_OUT_OF_MEMORY[backend, case.name]}.")
                 cells.append("not run yet" if r is None else f"not measured{mark}")

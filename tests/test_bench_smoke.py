@@ -53,10 +53,35 @@ def test_sides_that_do_not_fit_together_are_timed_in_processes_of_their_own(tmp_
     monkeypatch.setattr(run, "_child", together_out_of_memory)
     report = run.run(small=True, repeats=1, only="l1 1e+07", output=tmp_path)
     (row,) = report["cases"]
-    assert row["timed_apart"] and "error" not in row and row["time_ratio"] > 0
+    assert row["timed_apart"] and "error" not in row and row["time_ratio"] > 0 and row["repeats"] == 2
     sides = [args[args.index("--side") + 1] for args in calls if "--side" in args]
     assert sides == ["ours", "reference", "reference", "ours"]
     assert "processes of its own" in (tmp_path / f"{report['backend']}.md").read_text()
+
+
+def test_a_side_timed_alone_runs_only_that_side():
+    index = next(i for i, case in enumerate(run.CASES) if case.name == "l1 1e+07 elements")
+    calls = {"ours": 0, "reference": 0}
+    work = run.CASES[index].build(True)
+    counted = {side: (lambda side=side: calls.__setitem__(side, calls[side] + 1) or work[side]()) for side in calls}
+    times = run.measure_time({**work, **counted}, 3, ("reference",))
+    assert list(times) == ["reference"] and len(times["reference"]) == 3
+    assert calls == {"ours": 0, "reference": 5}  # two warm-up calls, three timed
+
+
+def test_rows_whose_peer_does_not_fit_are_marked_and_explained(tmp_path, monkeypatch):
+    from bench import cases
+
+    (backend, name), why = next(iter(cases.PEER_OUT_OF_MEMORY.items()))
+    killed = {"case": name, "reference_name": "raw tf ops", "error": "killed (SIGKILL: out of memory on this machine)"}
+    other = {**killed, "case": next(c.name for c in run.CASES if (backend, c.name) not in cases.PEER_OUT_OF_MEMORY)}
+    report = {"machine": {"cpu": "cpu", "cores": 2}, "cases": [killed, other]}
+    (tmp_path / f"{backend}.json").write_text(json.dumps(report))
+    monkeypatch.setattr(summary, "RESULTS", tmp_path)
+    text = summary.table()
+    assert f"| {name} |" in text and "not measured‡" in text.split(f"| {name} |")[1].splitlines()[0]
+    assert f"- ‡ {backend}, {name}: {why}." in text
+    assert "not measured‡" not in text.split(f"| {other['case']} |")[1].splitlines()[0]
 
 
 def test_only_with_a_trailing_dollar_matches_the_end_of_a_name():
