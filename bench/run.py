@@ -8,8 +8,9 @@ bench/results/<backend>.json and .md.
 Times: ours and the reference alternate call by call in one process (a fresh
 one per case), after warm-up, so both see the same machine state; the ratio
 is of the medians. Where both sides do not fit in one process (the run is
-killed for memory), each side is timed in fresh processes of its own, two
-per side, alternating (the row says so).
+killed for memory), each side is timed in two fresh processes of its own,
+the processes in turn: one side's calls then do not alternate with the
+other's (the row says so).
 Memory: each side runs in a fresh subprocess; its peak resident memory above
 what the inputs already take (Linux VmHWM, reset after building the inputs
 and warming up) is the side's peak memory. On TensorFlow, whose CPU
@@ -96,14 +97,19 @@ def timed(index, small, repeats, side=None):
     return {"times": measure_time(work, repeats, sides), "bytes": work.get("bytes")}
 
 
+def _time_child(index, small, repeats, side=None):
+    """`timed(...)` in a fresh process."""
+    args = ["--time", str(index), str(repeats)] + (["--side", side] if side else []) + (["--small"] if small else [])
+    return json.loads(_child(args, "TIMES"))
+
+
 def _timed_apart(index, small, repeats):
-    """Each side in fresh processes of its own, two per side, alternating
+    """Each side in two fresh processes of its own, the processes in turn
     (for cases whose sides do not fit in memory together)."""
     times = {"ours": [], "reference": []}
     for order in (("ours", "reference"), ("reference", "ours")):
         for side in order:
-            args = ["--time", str(index), str(repeats), "--side", side] + (["--small"] if small else [])
-            result = json.loads(_child(args, "TIMES"))
+            result = _time_child(index, small, repeats, side)
             times[side] += result["times"][side]
     return {"times": times, "bytes": result["bytes"]}
 
@@ -144,7 +150,7 @@ def measure(index, small, repeats, memory=True):
         # Each case runs in fresh processes, so no case inherits another's
         # allocations (TensorFlow's allocator keeps what it has used).
         try:
-            result = json.loads(_child(["--time", str(index), str(repeats)] + (["--small"] if small else []), "TIMES"))
+            result = _time_child(index, small, repeats)
         except CaseFailed as error:
             if "out of memory" not in str(error):
                 raise

@@ -61,10 +61,16 @@ def test_sides_that_do_not_fit_together_are_timed_in_processes_of_their_own(tmp_
 
 def test_a_side_timed_alone_runs_only_that_side():
     index = next(i for i, case in enumerate(run.CASES) if case.name == "l1 1e+07 elements")
-    calls = {"ours": 0, "reference": 0}
-    work = run.CASES[index].build(True)
-    counted = {side: (lambda side=side: calls.__setitem__(side, calls[side] + 1) or work[side]()) for side in calls}
-    times = run.measure_time({**work, **counted}, 3, ("reference",))
+    work, calls = run.CASES[index].build(True), {"ours": 0, "reference": 0}
+
+    def counting(side):
+        def call():
+            calls[side] += 1
+            return work[side]()
+
+        return call
+
+    times = run.measure_time({**work, "ours": counting("ours"), "reference": counting("reference")}, 3, ("reference",))
     assert list(times) == ["reference"] and len(times["reference"]) == 3
     assert calls == {"ours": 0, "reference": 5}  # two warm-up calls, three timed
 
