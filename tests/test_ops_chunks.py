@@ -7,6 +7,7 @@ time."""
 import numpy as np
 import pytest
 from keras import ops
+from scipy import special
 
 import keras
 from keras_penalties import CompositeObjective, Term
@@ -173,6 +174,37 @@ def test_fit_with_chunks_equals_fit_without(jit_compile):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(weights[3][1], weights[None][1], rtol=1e-5)
     assert weights[None][1][-1] < weights[None][1][0]
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_monitor_probe_takes_each_chunked_terms_gradient_norm(chunk_size):
+    # The probe takes one backward pass per term (and the total) over one
+    # forward pass: each chunked term's gradient is taken twice (its own,
+    # and the total's). On torch the rows' gradients formed in the forward
+    # pass were used up by the first (issue 41).
+    from keras_penalties.callbacks import PenaltyMonitor
+
+    tokens = RNG.normal(size=(6,) + SHAPE[1:]).astype("float32")
+    teacher = RNG.normal(scale=2.0, size=(6,) + SHAPE[1:]).astype("float32")
+    mask = (RNG.uniform(size=(6, 4)) < 0.7).astype("float32")
+    mask[0, 0] = 1.0
+    entries = {}
+    for size in (None, chunk_size):
+        model = _distill_model(size)
+        monitor = PenaltyMonitor(probe_data=([tokens, teacher, mask], None))
+        monitor.set_model(model)
+        entries[size] = monitor.probe()
+    for key in ("distill/kl", "distill/entropy", "total"):
+        np.testing.assert_allclose(entries[chunk_size][f"{key}/grad_norm"], entries[None][f"{key}/grad_norm"], rtol=1e-5, err_msg=key)
+    # The KL term's against NumPy: masked mean over positions of
+    # KL(softmax(t/T) ‖ softmax(z/T)), z = tokens·W + b; ∂/∂z = (q − p)/(T·kept).
+    kernel, bias = (to_numpy(w).astype(np.float64) for w in model.trainable_weights)
+    x = tokens.astype(np.float64)
+    z = x @ kernel + bias
+    p, q = special.softmax(teacher / 2.0, axis=-1), special.softmax(z / 2.0, axis=-1)
+    dz = (q - p) / 2.0 * mask[..., None] / mask.sum()
+    norm = np.sqrt(np.sum(np.einsum("npi,npj->ij", x, dz) ** 2) + np.sum(dz.sum((0, 1)) ** 2))
+    np.testing.assert_allclose(entries[chunk_size]["distill/kl/grad_norm"], norm, rtol=1e-5)
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)")
