@@ -399,13 +399,16 @@ class Distiller(keras.distillation.Distiller):
         sample_weight: TensorLike | None = None,
         training: bool = True,
     ) -> Tensor:
-        # The student's own losses, read before the teacher runs: on TF and
-        # torch `self.losses` would then include the teacher's too.
-        own: Any = [ops.cast(loss, "float32") for loss in self.losses]
-        own = sum(own) if own else 0.0
         self._fused_step = bool(training) and self.head is not None
         if y_pred is None:
+            # Called outside `fit` (a custom loop): the student's forward
+            # pass adds the losses read next.
             y_pred = self(x, training=training)
+        # The student's own losses, read after its forward pass and before
+        # the teacher runs: on TF and torch `self.losses` would then include
+        # the teacher's too.
+        own: Any = [ops.cast(loss, "float32") for loss in self.losses]
+        own = sum(own) if own else 0.0
         student = self.head.logits(y_pred) if self._fused_step else y_pred  # type: ignore[union-attr]  # fused: a head
         replicas = float(backend.loss_replicas())
 

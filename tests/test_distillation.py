@@ -28,6 +28,16 @@ WEIGHTS[:, 0] = 1.0
 TEMPERATURE = 2.0
 
 
+@keras.saving.register_keras_serializable(package="keras_penalties_tests")
+class _AddsMeanSquare(keras.layers.Layer):
+    """Adds 0.05·mean(h²) of its input to the model's losses (an add_loss
+    term that only a forward pass produces)."""
+
+    def call(self, h):
+        self.add_loss(0.05 * keras.ops.mean(keras.ops.square(h)))
+        return h
+
+
 def _lm(name, head="dense", regularized=False, seed=0):
     """A tiny causal-LM-shaped model: tokens -> hidden states -> vocabulary
     projection (`head`: a Dense "head", or the tied input embedding read
@@ -43,6 +53,8 @@ def _lm(name, head="dense", regularized=False, seed=0):
     hidden = keras.layers.Dense(
         H, activation="tanh", name="body", kernel_regularizer=R.L2(0.05) if regularized else None
     )(hidden)
+    if regularized:
+        hidden = _AddsMeanSquare(name="activity")(hidden)
     logits = tied(hidden, reverse=True) if tied else keras.layers.Dense(V, kernel_initializer=wide, name="head")(hidden)
     return keras.Model(tokens, logits, name=name)
 
@@ -162,7 +174,9 @@ def _expected_total(distiller):
     student_loss = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(LABELS, student, sample_weight=WEIGHTS))
     kd = _kd(teacher, student)
     js = _masked_mean(O.np_js_divergence(teacher, student, True, beta=0.3, reduction="none"))
-    own = 0.05 * np.sum(to_numpy(distiller.student.get_layer("body").kernel).astype(np.float64) ** 2)
+    student_model = distiller.student
+    body = to_numpy(keras.Model(student_model.inputs, student_model.get_layer("body").output)(TOKENS)).astype(np.float64)
+    own = 0.05 * np.sum(to_numpy(student_model.get_layer("body").kernel).astype(np.float64) ** 2) + 0.05 * np.mean(body**2)
     return {
         "student_loss": student_loss,
         "distillation/kd": kd,
@@ -187,6 +201,16 @@ def test_total_is_student_loss_distillation_and_the_students_own_losses(head):
     assert tuple(hidden.shape) == (8, T, H)
     total = fused.compute_loss(TOKENS, LABELS, hidden, WEIGHTS, training=True)
     np.testing.assert_allclose(to_numpy(total), expected["total_loss"], rtol=2e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compute_loss_outside_fit_includes_the_students_own_losses(fused):
+    # A custom loop calls compute_loss(x, y) with no y_pred: the student's
+    # add_loss terms come from the forward pass it runs (issue 41: they
+    # were read before it, and lost).
+    distiller = _distiller(fused=fused)
+    total = to_numpy(distiller.compute_loss(x=TOKENS, y=LABELS, sample_weight=WEIGHTS))
+    np.testing.assert_allclose(total, _expected_total(distiller)["total_loss"], rtol=2e-5)
 
 
 def test_a_single_distillation_loss_keeps_its_weight():
