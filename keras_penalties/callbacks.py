@@ -15,7 +15,7 @@ from keras import ops
 
 from keras_penalties import _capture, _keras_internals, gradients
 from keras_penalties._types import Logs
-from keras_penalties.objective import CompositeLoss, CompositeObjective
+from keras_penalties.objective import CompositeLoss, CompositeObjective, objective_means
 from keras_penalties.terms import METRIC_NAME_PATTERN
 from keras_penalties.ops import _numerics as num
 
@@ -174,31 +174,6 @@ def _as_score(name, result):
     return {f"external/{name}": number(name, result)}
 
 
-class _RunningValuesMetric(keras.metrics.Metric):
-    """Holds values the monitor reads outside the training step, so that Keras
-    reports them like any metric (progress bar, History, evaluate's result)."""
-
-    def __init__(self, keys, name):
-        super().__init__(name=name)
-        self.keys = list(keys)
-        self.values = self.add_variable(shape=(len(self.keys),), initializer="zeros", name="values")
-        self.reset_state()
-
-    def update_state(self, values):
-        self.values.assign(ops.convert_to_tensor(values, self.values.dtype))
-
-    def reset_state(self):
-        # Keras resets metrics when fit or evaluate starts; until the monitor
-        # copies values in, they read NaN ("not measured"), never stale numbers.
-        self.values.assign(ops.full(self.values.shape, float("nan"), self.values.dtype))
-
-    def result(self):
-        # A copy: on torch, indexing the variable gives views of its storage,
-        # which a later update (validation) would change under the logs.
-        values = ops.copy(self.values.value)
-        return {key: values[i] for i, key in enumerate(self.keys)}
-
-
 class _Cadence:
     """When `PenaltyMonitor` works. Keras dispatches batch ends asynchronously
     (JAX, torch) unless a callback overrides that hook, and then for every
@@ -229,13 +204,6 @@ class _Cadence:
         """The epoch's last batch if its work is still due, else None."""
         ended, self.pending = self.pending, None
         return ended
-
-    def reads_values(self, batch, steps, epoch_end):
-        """Whether the objectives' running values are read after `batch`:
-        every `every` batches and at the epoch's end (reading syncs the
-        training state on JAX and waits for the step, so not after every
-        batch). `steps`: the epoch's batch count, None if unknown."""
-        return epoch_end or (batch + 1) % self.every == 0 or steps is None or batch + 1 >= steps
 
     def probes(self):
         """Whether the batch that just ended is probed."""
@@ -340,13 +308,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
     `"<loss name>/<term>"`: their mean unweighted value over the epoch so far
     in the progress bar, epoch-averaged in History (`val_`-prefixed for
     validation) and in the dict `evaluate(..., return_dict=True)` returns; the
-    same numbers on JAX, TensorFlow and PyTorch. (Objectives keep running sums
-    in non-trainable variables, which every backend's step carries; the
-    monitor copies their means into a metric it adds to the model, and adds
-    each CompositeLoss's tracker, so Keras reports them. The metrics stay with
-    the model, so later fits do not retrace: in a fit without the monitor an
-    objective's entries read NaN, and a CompositeLoss keeps reporting its
-    terms.)
+    same numbers on JAX, TensorFlow and PyTorch. The monitor makes them
+    metrics of the model, and they stay so: a later `fit` or `evaluate`
+    without the monitor reports them too, without retracing.
 
     Probes: with `probe_data=(x, y)`, every `every_n_batches` training batches
     the monitor evaluates the model on that batch and logs, for each term —
@@ -367,11 +331,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
     Args:
         probe_data: `(x, y)`, `[x, y]` or `x`: a fixed, non-empty batch to
             probe on; None for no probes.
-        every_n_batches: probe every this many training batches (≥ 1). The
-            objectives' values in the progress bar are refreshed at the same
-            interval and after each epoch's last batch (reading them waits
-            for the step, which costs time when done every batch); History
-            and evaluate get exact epoch averages either way.
+        every_n_batches: probe every this many training batches (≥ 1).
         grad_norms: compute gradient norms on probes (else values only).
         external: dict name → `f(x, y, y_pred)`: scores computed outside the
             compiled step (a service, a solver, a non-differentiable check)
@@ -427,7 +387,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.grad_norms = grad_norms
         self.history: list[dict[str, Any]] = []
         self.objectives: list[CompositeObjective] = []
-        self._running_metrics: dict[int, _RunningValuesMetric] = {}
         self._probes: dict[int, _Probe] = {}
         self._cadence = _Cadence(every_n_batches)
         self._epoch = 0
@@ -441,36 +400,9 @@ class PenaltyMonitor(keras.callbacks.Callback):
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
-        for objective in self.objectives:
-            if id(objective) not in self._running_metrics:
-                keys = [f"{objective.name}/{key}" for key in objective.reported_keys]
-                self._running_metrics[id(objective)] = _RunningValuesMetric(keys, name=f"{objective.name}_terms")
-        self._add_metrics_to(model)
-
-    def _add_metrics_to(self, model):
-        _add_to_model(model, [self._running_metrics[id(o)] for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
+        _add_to_model(model, [objective_means(o) for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
         for loss in _composite_losses(model):
             loss.tracker_registered = True
-
-    # ------------------------------------------------------------ values
-
-    def _report_running_values(self, training, logs):
-        """Copies each objective's running means into its metric and the batch logs."""
-        if not self.objectives:
-            return
-        self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
-        for objective in self.objectives:
-            values = objective.running_values(training)
-            if values:
-                self._running_metrics[id(objective)].update_state(list(values.values()))
-                if logs is not None:
-                    logs.update({f"{objective.name}/{term}": v for term, v in values.items()})
-
-    def _reset(self, training):
-        if self.objectives:
-            self.model  # noqa: B018
-            for objective in self.objectives:
-                objective.reset_running_values(training)
 
     # ------------------------------------------------------------ probes
 
@@ -568,7 +500,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._epoch = epoch
         self._epoch_probes = []
         self._cadence.epoch_began()
-        self._reset(training=True)
 
     def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
         ended = self._cadence.batch_began(batch)
@@ -579,8 +510,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
         """The work due after training batch `batch`; `logs` are the epoch's
         end logs when it was the epoch's last, else None."""
         epoch_end = logs is not None
-        if self._cadence.reads_values(batch, (self.params or {}).get("steps"), epoch_end):
-            self._report_running_values(True, logs)
         if self.probe_data is not None and self._cadence.probes():
             probe_logs = self._probe_logs(self.probe())
             self._epoch_probes.append(probe_logs)
@@ -601,12 +530,6 @@ class PenaltyMonitor(keras.callbacks.Callback):
             for key in keys:
                 values = [p[key] for p in self._epoch_probes if key in p]
                 logs[key] = sum(values) / len(values)
-
-    def on_test_begin(self, logs: Logs = None) -> None:
-        self._reset(training=False)
-
-    def on_test_batch_end(self, batch: int, logs: Logs = None) -> None:
-        self._report_running_values(False, logs)
 
     # ------------------------------------------------------------ plot
 
@@ -689,6 +612,8 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         if isinstance(self.target, CompositeLoss):
             _add_to_model(model, [self.target.tracker])
             self.target.tracker_registered = True
+        else:
+            _add_to_model(model, [objective_means(self.target)])
 
     def _set(self, weights):
         self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
@@ -699,22 +624,20 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         self.epoch_means = []
         self._set(np.ones(len(self.target.terms)))
 
-    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
-        if isinstance(self.target, CompositeObjective):
-            self.model  # noqa: B018
-            self.target.reset_running_values(training=True)
-
-    def _epoch_means(self):
-        self.model  # noqa: B018
-        if isinstance(self.target, CompositeObjective):
-            means = self.target.running_values(training=True)
-        else:
-            means = {k.split("/", 1)[1]: float(v) for k, v in self.target.tracker.result().items()}
-        return np.array([means.get(name, np.nan) for name in self.target.terms], "float64")
+    def _epoch_means(self, logs):
+        """The target's training means of the epoch, which Keras put in the
+        epoch's logs (its metric's, before validation resets it)."""
+        keys = [f"{self.target.name}/{name}" for name in self.target.terms]
+        if logs is None or not all(key in logs for key in keys):
+            raise ValueError(
+                f"DynamicWeightAverage: the epoch's logs lack the terms of {self.target.name!r} "
+                f"({keys}); call it from fit's callbacks."
+            )
+        return np.array([float(logs[key]) for key in keys], "float64")
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
+        self.epoch_means.append(self._epoch_means(logs))
         _log_weights(self.target, logs)
-        self.epoch_means.append(self._epoch_means())
         if len(self.epoch_means) >= 2:
             current, previous = self.epoch_means[-1], self.epoch_means[-2]
             ratios = np.divide(current, previous, out=np.ones_like(current), where=previous != 0)

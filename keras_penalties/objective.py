@@ -114,6 +114,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        # The running sums and counts as the last forward pass left them,
+        # where the step's metrics are read in a scope of their own (JAX).
+        self._kept_running: Any = None
         with keras.name_scope(self.name, caller=self):
             weight_state(self, self.terms, self.weighting)
             # 1 where set_weight replaced a schedule by a number.
@@ -202,6 +205,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         row = _TRAIN if training else _EVAL
         backend.add_to_row(self.value_sums, row, values)
         backend.add_to_row(self.value_counts, row, 1.0)
+        self._kept_running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
         return inputs
 
     def _check_famo_across_replicas(self):
@@ -243,6 +247,16 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     # ------------------------------------------------------------ reporting
 
+    def running_means(self) -> Tensor:
+        """Each reported key's mean since the running values were last reset,
+        a float32 tensor in `reported_keys` order, computed where it is
+        called (inside a compiled step too): the training calls' means if
+        there were any, else the others' (evaluate); 0 before any call."""
+        state = backend.kept_for_metrics(self._kept_running, (self.value_sums, self.value_counts))
+        sums, counts = state if state is not None else (self.value_sums.value, self.value_counts.value)
+        means = sums / ops.expand_dims(ops.maximum(counts, 1.0), 1)
+        return ops.where(counts[_TRAIN] > 0, means[_TRAIN], means[_EVAL])
+
     def running_values(self, training: bool = True) -> dict[str, float]:
         """Mean unweighted value of each term (and of each custom metric, as
         `"<term>/<metric>"`) since the last reset, as floats (the numbers
@@ -254,10 +268,12 @@ class CompositeObjective(Composite, keras.layers.Layer):
         sums = ops.convert_to_numpy(self.value_sums)[row]
         return {name: float(sums[i] / count) for i, name in enumerate(self.reported_keys)}
 
-    def reset_running_values(self, training: bool = True) -> None:
-        row = _TRAIN if training else _EVAL
-        self._assign_entry(self.value_sums, row, 0.0)
-        self._assign_entry(self.value_counts, row, 0.0)
+    def reset_running_values(self, training: bool | None = True) -> None:
+        """Zeroes the running values of training calls (`training=True`),
+        of the others (False), or of both (None)."""
+        rows = [_TRAIN, _EVAL] if training is None else _TRAIN if training else _EVAL
+        self._assign_entry(self.value_sums, rows, 0.0)
+        self._assign_entry(self.value_counts, rows, 0.0)
 
     def report(
         self, inputs: Any, *, base_loss: TensorLike | Callable[[Any], Tensor] | None = None, grad_norms: bool = False
@@ -319,6 +335,49 @@ class CompositeObjective(Composite, keras.layers.Layer):
     def from_config(cls, config: dict[str, Any]) -> "CompositeObjective":
         config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
+
+
+class ObjectiveMeans(keras.metrics.Metric):
+    """A CompositeObjective's running term means as a metric of its model.
+
+    Its result is a dict `{"<objective>/<key>": mean}` (see
+    `CompositeObjective.running_means`), which Keras spreads into the logs
+    once the metric is one of the model's metrics (the package's callbacks
+    make it one). The objective itself keeps the sums, in variables that
+    flow out of every backend's forward pass; this metric only reads them,
+    and resetting it (as Keras does when `fit` starts an epoch and when
+    `evaluate` starts) zeroes them.
+    """
+
+    def __init__(self, objective):
+        super().__init__(name=f"{objective.name}_terms")
+        self._objective = weakref.ref(objective)
+        self.keys = [f"{objective.name}/{key}" for key in objective.reported_keys]
+
+    def update_state(self, *args, **kwargs):
+        # The objective adds to its sums as it runs.
+        pass
+
+    def reset_state(self):
+        objective = self._objective()
+        if objective is not None:
+            objective.reset_running_values(training=None)
+
+    def result(self):
+        objective = self._objective()
+        means = objective.running_means() if objective is not None else ops.zeros((len(self.keys),), "float32")
+        return {key: means[i] for i, key in enumerate(self.keys)}
+
+
+_objective_means: weakref.WeakKeyDictionary[CompositeObjective, ObjectiveMeans] = weakref.WeakKeyDictionary()
+
+
+def objective_means(objective: CompositeObjective) -> ObjectiveMeans:
+    """The one `ObjectiveMeans` metric of `objective` (kept outside the
+    layer, so that Keras neither tracks nor saves it with the layer)."""
+    if objective not in _objective_means:
+        _objective_means[objective] = ObjectiveMeans(objective)
+    return _objective_means[objective]
 
 
 class TermMeans(keras.metrics.Metric):

@@ -344,9 +344,41 @@ def test_evaluate_logs_terms_and_validation_is_prefixed():
     np.testing.assert_allclose(history["val_obj/ent"][0], expected, rtol=1e-5)
     logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=[PenaltyMonitor()])
     np.testing.assert_allclose(logs["obj/ent"], expected, rtol=1e-5)
-    # A later evaluate without the monitor reports "not measured", never stale values.
-    logs = model.evaluate(x, y, verbose=0, return_dict=True)
-    assert np.isnan(logs["obj/ent"])
+    # A later evaluate without the monitor reports the values too.
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(logs["obj/ent"], expected, rtol=1e-5)
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.train, self.test = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.train.append(dict(logs))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test.append(dict(logs))
+
+
+def test_terms_are_logged_without_the_monitor_after_a_monitored_fit():
+    # Issue 41: after fit with a probing monitor, evaluate and fit without it
+    # logged NaN for the objective's terms on every backend.
+    objective = CompositeObjective({"l1": Term("l1", 1e-2), "mag": Term("output_magnitude", 1e-2)}, name="act")
+    model = _frozen_model(objective)
+    x, y, xb, yb = _identical_batches()
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[PenaltyMonitor(probe_data=(xb, yb), every_n_batches=1)])
+    hidden, _ = _hidden_and_base(model, xb, yb)
+    expected = {"act/l1": O.np_l1(hidden, "sum_over_batch_size"), "act/mag": O.np_output_magnitude(hidden)}
+    seen = _BatchLogs()
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=[seen])
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[seen]).history
+    assert len(seen.test) == len(seen.train) == STEPS_PER_EPOCH
+    for key, value in expected.items():
+        np.testing.assert_allclose(logs[key], value, rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(history[key], [value], rtol=1e-5, err_msg=key)
+        # Every batch's running mean, read inside the compiled step.
+        np.testing.assert_allclose([b[key] for b in seen.test + seen.train], value, rtol=1e-5, err_msg=key)
 
 
 # ---------------------------------------------------------------- serialization

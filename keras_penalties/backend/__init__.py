@@ -68,6 +68,12 @@ organises `keras/src/backend/`:
 - `unit_clip(grads, weights, clip_factor, eps)`: adaptive gradient
   clipping of each gradient by its variable's unit norms (plain torch ops
   on torch).
+- `keep_for_metrics(values)`, `kept_for_metrics(kept, variables)`: a
+  composite's running state as its forward pass left it, for the same
+  step's metrics where they cannot read the variables (JAX's `fit` reads
+  metrics in a scope of their own: the forward pass's tracers, kept with
+  their gradient stopped); None on TF and torch, whose metrics read the
+  variables.
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
 - `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
@@ -94,6 +100,8 @@ _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
 gradients = _module.gradients
 parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
+keep_for_metrics = _module.keep_for_metrics
+kept_for_metrics = _module.kept_for_metrics
 softmax_pair = _module.softmax_pair
 js_rows = _module.js_rows
 smallest_normal = _module.smallest_normal
@@ -130,6 +138,8 @@ __all__ = [
     "gradients",
     "increment",
     "js_rows",
+    "keep_for_metrics",
+    "kept_for_metrics",
     "label_cross_entropy",
     "loss_replicas",
     "map_chunks",

@@ -146,6 +146,19 @@ def is_half(dtype):
     return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
 
 
+def keep_for_metrics(values):
+    """What `kept_for_metrics` needs to find the tensors `values`, computed
+    in a forward pass, when the same step reads its metrics; None where a
+    step's metrics read the variables themselves (TF, torch)."""
+    return None
+
+
+def kept_for_metrics(kept, variables):
+    """The values `keep_for_metrics` kept, where the code runs in a step
+    whose metrics cannot read `variables` themselves; None where they can."""
+    return None
+
+
 def replicas_in_sync():
     return 1
 

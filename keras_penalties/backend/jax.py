@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from keras import ops
 
+from keras_penalties import _keras_internals
 from keras_penalties.backend._common import (  # noqa: F401
     add_to_row,
     as_tensor,
@@ -38,6 +39,38 @@ SHARES_SOFTMAX = False
 # the fastest from hidden states.
 CHUNK_ELEMENTS = 16 * 2**20
 HEAD_CHUNK_ELEMENTS = 8 * 2**20
+
+def keep_for_metrics(values):
+    """As `_common.keep_for_metrics`: JAX's `fit` reads a step's metrics in
+    a `StatelessScope` of the metric variables alone, after the forward
+    pass's scope has closed, so a variable the forward pass assigned reads
+    its value from before the step there (or none: the trainer frees it).
+    Inside a trace, the values with their gradient stopped (outside
+    `value_and_grad` they are then the step's own tracers), else None."""
+    if not all(isinstance(v, jax.core.Tracer) for v in values):
+        return None
+    return tuple(jax.lax.stop_gradient(v) for v in values)
+
+
+def kept_for_metrics(kept, variables):
+    """As `_common.kept_for_metrics`: inside a stateless scope that does not
+    hold `variables` (JAX's metric scope), `kept` if its tracers belong to
+    the trace running now (the step whose forward pass kept them), else
+    zeros of the variables' shapes (this step ran no such forward pass);
+    None elsewhere, where the variables read right. Reads JAX's private
+    `jax._src.core.trace_ctx.trace` (the current trace) and a tracer's
+    `_trace` (jax 0.4.36 on; read in 0.10.2)."""
+    scope = _keras_internals.stateless_scope()
+    if scope is None or any(scope.get_current_value(v) is not None for v in variables):
+        return None
+    from jax._src import core
+
+    if core.trace_ctx.is_top_level():
+        return None
+    if kept is not None and all(getattr(v, "_trace", None) is core.trace_ctx.trace for v in kept):
+        return kept
+    return tuple(jnp.zeros(v.shape, v.dtype) for v in variables)
+
 
 def gradients(fn, tensors):
     return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
