@@ -20,6 +20,11 @@ def capturing(owners):
             _active.pop(key, None)
 
 
+def active(owner):
+    """Whether a probe is capturing `owner`'s values now."""
+    return id(owner) in _active
+
+
 def record(owner, values):
     if id(owner) in _active:
         _active[id(owner)].append(values)

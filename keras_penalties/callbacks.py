@@ -502,13 +502,12 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._cadence.epoch_began()
 
     def on_train_batch_begin(self, batch: int, logs: Logs = None) -> None:
-        ended = self._cadence.batch_began(batch)
-        if ended is not None:
-            self._after_batch(ended, None)
+        if self._cadence.batch_began(batch) is not None:
+            self._after_batch(None)
 
-    def _after_batch(self, batch, logs):
-        """The work due after training batch `batch`; `logs` are the epoch's
-        end logs when it was the epoch's last, else None."""
+    def _after_batch(self, logs):
+        """The work due after a training batch; `logs` are the epoch's end
+        logs when it was the epoch's last, else None."""
         epoch_end = logs is not None
         if self.probe_data is not None and self._cadence.probes():
             probe_logs = self._probe_logs(self.probe())
@@ -518,9 +517,8 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self._cadence.batch_done()
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
-        ended = self._cadence.epoch_ended()
-        if ended is not None:
-            self._after_batch(ended, logs if logs is not None else {})
+        if self._cadence.epoch_ended() is not None:
+            self._after_batch(logs if logs is not None else {})
         for owner in self.objectives + _composite_losses(self.model):
             if owner.weighting is not None:
                 # Learned weights: what the next step uses.
@@ -625,14 +623,14 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         self._set(np.ones(len(self.target.terms)))
 
     def _epoch_means(self, logs):
-        """The target's training means of the epoch, which Keras put in the
-        epoch's logs (its metric's, before validation resets it)."""
+        """The target's training means of the epoch: from the epoch's logs,
+        where Keras put its metric's result before validation reset it; else
+        (a custom `train_step` that returns other logs) from the metric."""
         keys = [f"{self.target.name}/{name}" for name in self.target.terms]
         if logs is None or not all(key in logs for key in keys):
-            raise ValueError(
-                f"DynamicWeightAverage: the epoch's logs lack the terms of {self.target.name!r} "
-                f"({keys}); call it from fit's callbacks."
-            )
+            self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
+            metric = self.target.tracker if isinstance(self.target, CompositeLoss) else objective_means(self.target)
+            logs = metric.result()
         return np.array([float(logs[key]) for key in keys], "float64")
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:

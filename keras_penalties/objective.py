@@ -205,7 +205,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         row = _TRAIN if training else _EVAL
         backend.add_to_row(self.value_sums, row, values)
         backend.add_to_row(self.value_counts, row, 1.0)
-        self._kept_running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
+        if not _capture.active(self):  # a probe's pass changes nothing
+            self._kept_running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
         return inputs
 
     def _check_famo_across_replicas(self):
@@ -251,16 +252,21 @@ class CompositeObjective(Composite, keras.layers.Layer):
         """Each reported key's mean since the running values were last reset,
         a float32 tensor in `reported_keys` order, computed where it is
         called (inside a compiled step too): the training calls' means if
-        there were any, else the others' (evaluate); 0 before any call."""
+        there were any, else the others' (evaluate); 0 before any call.
+        In JAX's metric scope, the values the step's forward pass kept, read
+        once (a second read in that scope gives 0)."""
         state = backend.kept_for_metrics(self._kept_running, (self.value_sums, self.value_counts))
+        # Read: a traced step's tracers are not kept past it.
+        self._kept_running = None
         sums, counts = state if state is not None else (self.value_sums.value, self.value_counts.value)
         means = sums / ops.expand_dims(ops.maximum(counts, 1.0), 1)
         return ops.where(counts[_TRAIN] > 0, means[_TRAIN], means[_EVAL])
 
     def running_values(self, training: bool = True) -> dict[str, float]:
         """Mean unweighted value of each term (and of each custom metric, as
-        `"<term>/<metric>"`) since the last reset, as floats (the numbers
-        PenaltyMonitor logs); empty before the first call."""
+        `"<term>/<metric>"`) over the training calls (`training=True`) or
+        the others since the last reset, as floats; empty before the first
+        call."""
         row = _TRAIN if training else _EVAL
         count = float(ops.convert_to_numpy(self.value_counts)[row])
         if count == 0:

@@ -361,24 +361,35 @@ class _BatchLogs(keras.callbacks.Callback):
         self.test.append(dict(logs))
 
 
-def test_terms_are_logged_without_the_monitor_after_a_monitored_fit():
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_terms_are_logged_without_the_monitor_after_a_monitored_fit(run_eagerly):
     # Issue 41: after fit with a probing monitor, evaluate and fit without it
-    # logged NaN for the objective's terms on every backend.
+    # logged NaN for the objective's terms on every backend. Batches differ,
+    # so each batch's log is the running mean of the batches so far.
     objective = CompositeObjective({"l1": Term("l1", 1e-2), "mag": Term("output_magnitude", 1e-2)}, name="act")
     model = _frozen_model(objective)
-    x, y, xb, yb = _identical_batches()
-    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[PenaltyMonitor(probe_data=(xb, yb), every_n_batches=1)])
-    hidden, _ = _hidden_and_base(model, xb, yb)
-    expected = {"act/l1": O.np_l1(hidden, "sum_over_batch_size"), "act/mag": O.np_output_magnitude(hidden)}
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0), loss="mse", run_eagerly=run_eagerly)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(STEPS_PER_EPOCH * BATCH, 3)).astype(np.float32)
+    y = rng.normal(size=(STEPS_PER_EPOCH * BATCH, 2)).astype(np.float32)
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[PenaltyMonitor(probe_data=(x[:BATCH], y[:BATCH]), every_n_batches=1)])
+    hidden, _ = _hidden_and_base(model, x, y)
+    batches = hidden.reshape(STEPS_PER_EPOCH, BATCH, -1)
+    per_batch = {
+        "act/l1": [O.np_l1(h, "sum_over_batch_size") for h in batches],
+        "act/mag": [O.np_output_magnitude(h) for h in batches],
+    }
     seen = _BatchLogs()
     logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True, callbacks=[seen])
     history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[seen]).history
     assert len(seen.test) == len(seen.train) == STEPS_PER_EPOCH
-    for key, value in expected.items():
-        np.testing.assert_allclose(logs[key], value, rtol=1e-5, err_msg=key)
-        np.testing.assert_allclose(history[key], [value], rtol=1e-5, err_msg=key)
-        # Every batch's running mean, read inside the compiled step.
-        np.testing.assert_allclose([b[key] for b in seen.test + seen.train], value, rtol=1e-5, err_msg=key)
+    for key, values in per_batch.items():
+        running = np.cumsum(values) / np.arange(1, STEPS_PER_EPOCH + 1)
+        np.testing.assert_allclose(logs[key], running[-1], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(history[key], [running[-1]], rtol=1e-5, err_msg=key)
+        # Each batch's log: the running mean, read inside the step.
+        np.testing.assert_allclose([b[key] for b in seen.test], running, rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose([b[key] for b in seen.train], running, rtol=1e-5, err_msg=key)
 
 
 # ---------------------------------------------------------------- serialization

@@ -44,32 +44,42 @@ def keep_for_metrics(values):
     """As `_common.keep_for_metrics`: JAX's `fit` reads a step's metrics in
     a `StatelessScope` of the metric variables alone, after the forward
     pass's scope has closed, so a variable the forward pass assigned reads
-    its value from before the step there (or none: the trainer frees it).
-    Inside a trace, the values with their gradient stopped (outside
-    `value_and_grad` they are then the step's own tracers), else None."""
-    if not all(isinstance(v, jax.core.Tracer) for v in values):
+    there its value from before the step (or none: the trainer frees it).
+    In the forward pass of a training or test step (a scope that collects
+    losses), `values` with their gradient stopped: inside `value_and_grad`
+    they are then tracers of the step's own trace. Else None."""
+    scope = _keras_internals.stateless_scope()
+    if scope is None or not scope.collect_losses:
         return None
     return tuple(jax.lax.stop_gradient(v) for v in values)
 
 
 def kept_for_metrics(kept, variables):
     """As `_common.kept_for_metrics`: inside a stateless scope that does not
-    hold `variables` (JAX's metric scope), `kept` if its tracers belong to
-    the trace running now (the step whose forward pass kept them), else
-    zeros of the variables' shapes (this step ran no such forward pass);
-    None elsewhere, where the variables read right. Reads JAX's private
-    `jax._src.core.trace_ctx.trace` (the current trace) and a tracer's
-    `_trace` (jax 0.4.36 on; read in 0.10.2)."""
+    hold `variables` (JAX's metric scope), `kept` if it belongs to the
+    computation running now (concrete arrays, or tracers of the current
+    trace), else zeros of the variables' shapes (this step ran no forward
+    pass that kept them); None elsewhere, where the variables read right."""
     scope = _keras_internals.stateless_scope()
     if scope is None or any(scope.get_current_value(v) is not None for v in variables):
         return None
-    from jax._src import core
-
-    if core.trace_ctx.is_top_level():
-        return None
-    if kept is not None and all(getattr(v, "_trace", None) is core.trace_ctx.trace for v in kept):
+    if kept is not None and all(_of_this_trace(v) for v in kept):
         return kept
     return tuple(jnp.zeros(v.shape, v.dtype) for v in variables)
+
+
+def _of_this_trace(x):
+    """Whether `x` can be used in the computation running now: a concrete
+    array, or a tracer of the current trace (a tracer of a trace that has
+    ended would raise). Reads JAX's private `jax._src.core.trace_ctx.trace`
+    and a tracer's `_trace` (jax 0.4.36 on; read in 0.10.2); on a JAX
+    without them, every tracer counts as current."""
+    if not isinstance(x, jax.core.Tracer):
+        return True
+    from jax._src import core
+
+    context = getattr(core, "trace_ctx", None)
+    return context is None or getattr(x, "_trace", None) is context.trace
 
 
 def gradients(fn, tensors):

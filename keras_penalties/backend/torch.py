@@ -55,8 +55,9 @@ class _MapChunks(torch.autograd.Function):
             values.append(chunk_values.detach())
         ctx.fn, ctx.compute, ctx.wanted = fn, dtype, wanted
         ctx.dtypes = [c.dtype for c in chunks]
-        # The inputs, for a second backward pass (retain_graph=True: the
-        # monitor's per-term probe), which recomputes the chunks.
+        # The inputs, as any autograd op keeps them, for a second backward
+        # pass (retain_graph=True: the monitor's per-term probe), which
+        # recomputes the chunks.
         ctx.save_for_backward(*chunks)
         # Not save_for_backward: the first backward pass scales the rows in
         # place (a second buffer the size of the input would be the peak).
