@@ -25,6 +25,7 @@ combine across replicas by their mean.
 """
 
 
+import types
 import weakref
 from typing import Any, Callable
 
@@ -115,8 +116,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         # The running sums and counts as the last forward pass left them,
-        # where the step's metrics are read in a scope of their own (JAX).
-        self._kept_running: Any = None
+        # where the step's metrics are read in a scope of their own (JAX);
+        # in a plain holder, which Keras' attribute tracking skips.
+        self._kept = types.SimpleNamespace(running=None)
         with keras.name_scope(self.name, caller=self):
             weight_state(self, self.terms, self.weighting)
             # 1 where set_weight replaced a schedule by a number.
@@ -206,7 +208,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         backend.add_to_row(self.value_sums, row, values)
         backend.add_to_row(self.value_counts, row, 1.0)
         if not _capture.active(self):  # a probe's pass changes nothing
-            self._kept_running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
+            self._kept.running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
         return inputs
 
     def _check_famo_across_replicas(self):
@@ -255,12 +257,12 @@ class CompositeObjective(Composite, keras.layers.Layer):
         there were any, else the others' (evaluate); 0 before any call.
         In JAX's metric scope, the values the step's forward pass kept, read
         once (a second read in that scope gives 0)."""
-        state = backend.kept_for_metrics(self._kept_running, (self.value_sums, self.value_counts))
+        state = backend.kept_for_metrics(self._kept.running, (self.value_sums, self.value_counts))
         # Read: a traced step's tracers are not kept past it.
-        self._kept_running = None
+        self._kept.running = None
         sums, counts = state if state is not None else (self.value_sums.value, self.value_counts.value)
-        means = sums / ops.expand_dims(ops.maximum(counts, 1.0), 1)
-        return ops.where(counts[_TRAIN] > 0, means[_TRAIN], means[_EVAL])
+        row = ops.where(counts[_TRAIN] > 0, _TRAIN, _EVAL)
+        return sums[row] / ops.maximum(counts[row], 1.0)
 
     def running_values(self, training: bool = True) -> dict[str, float]:
         """Mean unweighted value of each term (and of each custom metric, as

@@ -74,6 +74,9 @@ organises `keras/src/backend/`:
   metrics in a scope of their own: the forward pass's tracers, kept with
   their gradient stopped); None on TF and torch, whose metrics read the
   variables.
+- `row_shards()`: how many devices a chunked op's rows are split over
+  inside one computation (JAX's `DataParallel`, where `map_chunks` and
+  `chunked_sum` run each device's own chunks); 1 elsewhere.
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
 - `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
@@ -100,6 +103,7 @@ _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
 gradients = _module.gradients
 parameter_probe = _module.parameter_probe
 replicas_in_sync = _module.replicas_in_sync
+row_shards = _module.row_shards
 keep_for_metrics = _module.keep_for_metrics
 kept_for_metrics = _module.kept_for_metrics
 softmax_pair = _module.softmax_pair
@@ -150,6 +154,7 @@ __all__ = [
     "proximal_step",
     "reduce_sum",
     "replicas_in_sync",
+    "row_shards",
     "smallest_normal",
     "softmax_pair",
     "stack",

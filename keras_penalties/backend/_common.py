@@ -159,6 +159,13 @@ def kept_for_metrics(kept, variables):
     return None
 
 
+def row_shards():
+    """How many devices a chunked op's rows are split over inside one
+    computation (JAX's `DataParallel`); 1 where each replica runs its own
+    (TF, torch) or there is one device."""
+    return 1
+
+
 def replicas_in_sync():
     return 1
 

@@ -5,6 +5,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec
 from keras import ops
 
 from keras_penalties import _keras_internals
@@ -114,7 +116,21 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
 
 def map_chunks(fn, chunks, dtype):
     """`fn` over the leading axis of the tuple `chunks`, stacked (values of
-    `dtype`), without recomputing any chunk in the backward pass.
+    `dtype`), without recomputing any chunk in the backward pass (see
+    `_map_chunks`). Under Keras' `DataParallel` over n > 1 devices, each
+    device runs the chunks of its own rows (`shard_map`): nothing is
+    gathered, and the gradients stay sharded like the inputs."""
+    chunks = tuple(chunks)
+    split = _data_parallel(chunks[0].shape[0])
+    if split is None:
+        return _map_chunks(fn, chunks, dtype)
+    mesh, axis = split
+    spec = PartitionSpec(axis)
+    return _shard_map(lambda *c: _map_chunks(fn, c, dtype), mesh, (spec,) * len(chunks), spec)(*chunks)
+
+
+def _map_chunks(fn, chunks, dtype):
+    """`map_chunks` on one device, or on each device's own chunks.
 
     A `custom_vjp` whose forward rule is one `lax.scan` that forms, with
     each chunk's values, each row's gradient of its own value (a row's value
@@ -126,7 +142,6 @@ def map_chunks(fn, chunks, dtype):
     `ops.map(keras.remat(fn))`, ran every chunk's forward pass again in
     the backward pass (bench/results/README.md). First order only.
     """
-    chunks = tuple(chunks)
     dtypes = [c.dtype for c in chunks]
 
     def is_float(x):
@@ -258,8 +273,78 @@ def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time (a
-    `lax.scan`), with the gradient formed in the forward pass.
+    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
+    the gradient formed in the forward pass (see `_chunked_sum`). Under
+    Keras' `DataParallel` over n > 1 devices, each device sums the chunks
+    of its own rows (`shard_map`) against its replica of the kernel and
+    bias: nothing row-sized is gathered, the rows' and hidden states'
+    gradients stay sharded, and the kernel's and bias's are summed over the
+    devices once (an all-reduce of their size), not per chunk."""
+    split = _data_parallel(weights.shape[0] // chunk_size)
+    if split is None:
+        return _chunked_sum(fn, rows, heads, weights, chunk_size, dtype)
+    mesh, axis = split
+    rows, transposed = list(rows), [head[3] for head in heads]
+    has_bias = [head[2] is not None for head in heads]
+    # The kernels and biases in the compute dtype before the devices split
+    # (each chunk reads them so anyway): their gradients are then summed
+    # over the devices in it too, and rounded to a half dtype once.
+    params = [p.astype(dtype) for head in heads for p in head[1:3] if p is not None]
+    flat = rows + [head[0] for head in heads] + params
+    sharded, whole = PartitionSpec(axis), PartitionSpec()
+    specs = (sharded,) * (len(rows) + len(heads)) + (whole,) * (len(flat) - len(rows) - len(heads))
+
+    def local(*args):
+        *flat, local_weights = args
+        local_rows, hidden, params = flat[: len(rows)], flat[len(rows) : len(rows) + len(heads)], iter(flat[len(rows) + len(heads) :])
+        local_heads = [[h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)]
+        # Each device's partial sum, one entry of a sharded vector: summed
+        # outside, so that no collective runs inside the loop.
+        return _chunked_sum(fn, local_rows, local_heads, local_weights, chunk_size, dtype)[None]
+
+    partial = _shard_map(local, mesh, specs + (sharded,), sharded)(*flat, weights)
+    return jnp.sum(partial)
+
+
+def _data_parallel(chunks):
+    """`(mesh, batch axis name)` where Keras' distribution is a
+    `DataParallel` over n > 1 devices (every variable replicated, the batch
+    split on its first axis) and the `chunks` split evenly among them, else
+    None."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return None
+    mesh, axis = distribution.device_mesh, distribution.batch_dim_name
+    devices = dict(zip(mesh.axis_names, mesh.shape))[axis]
+    if devices == 1 or chunks % devices:
+        return None
+    return mesh.backend_mesh, axis
+
+
+def row_shards():
+    """As `_common.row_shards`: the devices of Keras' `DataParallel`."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.DataParallel):
+        return 1
+    mesh = distribution.device_mesh
+    return dict(zip(mesh.axis_names, mesh.shape))[distribution.batch_dim_name]
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map` (`jax.experimental.shard_map` before 0.7), without
+    replication checks: `fn` runs no collective, and the cotangents of
+    unsharded inputs (a replicated kernel) are summed over the devices by
+    shard_map's transpose."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
+    """`chunked_sum` on one device, or on each device's own rows (a
+    `lax.scan`).
 
     A `custom_vjp`. Each chunk forms its heads' logits, takes the gradient of
     its weighted sum w.r.t. those logits and the float rows, then turns the

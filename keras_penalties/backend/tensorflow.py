@@ -17,7 +17,7 @@ from keras import ops
 from keras_penalties import _keras_internals
 from keras_penalties.backend._common import (  # noqa: F401
     add_to_row, as_tensor, divide_by_count, increment, js_rows, keep_for_metrics, kept_for_metrics, norm,
-    pick_labels, proximal_step, reduce_sum, smallest_normal, stack, sum_abs, sum_of_squares, unit_clip,
+    pick_labels, proximal_step, reduce_sum, row_shards, smallest_normal, stack, sum_abs, sum_of_squares, unit_clip,
 )
 
 # TF's graph optimizer (common subgraph elimination) can merge an

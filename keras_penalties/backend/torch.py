@@ -15,6 +15,7 @@ from keras_penalties.backend._common import (  # noqa: F401
     outside_distribution,
     pick_labels,
     replicas_in_sync,
+    row_shards,
     smallest_normal,
     sum_over_replicas,
 )

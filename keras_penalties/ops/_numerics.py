@@ -173,14 +173,19 @@ def chunk_rows(chunk_size, classes, n, heads=False):
     least 1. When the `n` rows are known: at most n, and the largest
     divisor of n down to half that many rows if there is one, so that no
     padded copy of the inputs is made (8192 rows of 32000 classes on a
-    4 M budget: 128 rows, not 131). Classes known only at run time count
-    as 32768."""
+    4 M budget: 128 rows, not 131); where the rows are split over devices
+    (`backend.row_shards`), of each device's rows, so that every device
+    runs whole chunks of its own. Classes known only at run time count as
+    32768."""
     if chunk_size != "auto":
         return chunk_size
     budget = backend.HEAD_CHUNK_ELEMENTS if heads else backend.CHUNK_ELEMENTS
     rows = max(1, budget // (classes if isinstance(classes, int) else 32768))
     if not isinstance(n, int):
         return rows
+    shards = backend.row_shards()
+    if shards > 1 and n % shards == 0:
+        n //= shards
     if n <= rows:
         return max(n, 1)
     return next((d for d in range(rows, (rows - 1) // 2, -1) if n % d == 0), rows)
