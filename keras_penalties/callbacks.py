@@ -15,7 +15,8 @@ from keras import ops
 
 from keras_penalties import _capture, _keras_internals, gradients
 from keras_penalties._types import Logs
-from keras_penalties.objective import CompositeLoss, CompositeObjective, objective_means
+from keras_penalties._term_means import objective_means
+from keras_penalties.objective import CompositeLoss, CompositeObjective
 from keras_penalties.terms import METRIC_NAME_PATTERN
 from keras_penalties.ops import _numerics as num
 

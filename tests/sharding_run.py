@@ -2,9 +2,12 @@
 devices, compiled as `jax.jit(value_and_grad)`: run by tests/test_sharding.py
 in a subprocess (the device count is fixed when JAX starts).
 
-Prints one JSON line: per case, the largest relative difference of the value
-and gradients from the one-device run, the collectives of the compiled HLO
-(kind and operand shapes), the sharding of the rows' gradient, and the
+Two setups: data-parallel (`DataParallel`, the batch split) and, for the
+heads, vocabulary-parallel (`ModelParallel` on a (1, 2) mesh, the kernel
+split on its vocabulary axis). Prints one JSON line: per setup and case,
+the largest relative difference of the value and gradients from the
+one-device run, the collectives of the compiled HLO (kind and operand
+shapes), the sharding of each gradient, and the
 temporaries of one device (`memory_analysis()`) beside those of the
 one-device compilation at the same `chunk_size`, and the size of the
 replicated arguments' gradients (each device's partial sums of them are
@@ -26,7 +29,9 @@ import numpy as np  # noqa: E402
 
 from keras_penalties import ops as P  # noqa: E402
 
-BATCH, TOKENS, HIDDEN, VOCAB, CHUNK = 8, 16, 12, 64, 16  # 128 rows: 8 chunks, 4 per device
+# 128 rows: 8 chunks, 4 per device. HIDDEN > CHUNK: a tied kernel's gradient is then
+# summed in blocks of its rows on one device (backend.jax._add_kernel_grad).
+BATCH, TOKENS, HIDDEN, VOCAB, CHUNK = 8, 16, 24, 64, 16
 RNG = np.random.default_rng(0)
 MASK = (RNG.uniform(size=(BATCH, TOKENS)) < np.linspace(0.3, 0.9, BATCH)[:, None]).astype("float32")
 LABELS = RNG.integers(0, VOCAB, size=(BATCH, TOKENS)).astype("int32")
@@ -94,28 +99,47 @@ def relative(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def run_case(fn, args, constants):
+def _distribution(setup):
+    """Keras' distribution on the two devices, and where each argument goes:
+    data-parallel, rows on the batch axis and kernels replicated;
+    vocabulary-parallel (a (1, 2) mesh), kernels sharded on their
+    vocabulary axis ([H, V] on axis 1, a tied [V, H] and a bias on axis 0)."""
+    from jax.sharding import PartitionSpec as Spec
+
+    devices = keras.distribution.list_devices()
+    if setup == "data_parallel":
+        distribution = keras.distribution.DataParallel(devices=devices)
+        return distribution, lambda a: Spec("batch") if a.shape[0] == BATCH else Spec()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch")
+
+    def spec(a):
+        if a.shape[0] == BATCH:
+            return Spec("batch")
+        return Spec(None, "model") if a.shape[-1] == VOCAB and a.ndim == 2 else Spec("model")
+
+    return distribution, spec
+
+
+def run_case(setup, fn, args, constants):
     import jax
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as Spec
 
     differentiated = tuple(range(len(args)))
     step = jax.jit(jax.value_and_grad(fn, argnums=differentiated))
     one_compiled = step.lower(*args, *constants).compile()
     value, grads = one_compiled(*args, *constants)
 
-    distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+    distribution, spec = _distribution(setup)
     mesh = distribution.device_mesh.backend_mesh
-    rows, whole = NamedSharding(mesh, Spec("batch")), NamedSharding(mesh, Spec())
-    # Arguments with the batch's leading size are sharded on it; kernels are replicated.
-    placed = [jax.device_put(a, rows if a.shape[0] == BATCH else whole) for a in list(args) + list(constants)]
+    placed = [jax.device_put(a, NamedSharding(mesh, spec(a))) for a in list(args) + list(constants)]
     with distribution.scope():
         compiled = jax.jit(jax.value_and_grad(fn, argnums=differentiated)).lower(*placed).compile()
     two_value, two_grads = compiled(*placed)
     return {
         "rel": max([relative(two_value, value)] + [relative(g2, g) for g2, g in zip(two_grads, grads)]),
         "collectives": collectives(compiled.as_text()),
-        "rows_grad_sharding": str(two_grads[0].sharding.spec),
+        "grad_shardings": [str(g.sharding.spec) for g in two_grads],
         "temp_two": compiled.memory_analysis().temp_size_in_bytes,
         "temp_one": one_compiled.memory_analysis().temp_size_in_bytes,
         # The gradients of replicated arguments (a kernel, a bias), which
@@ -124,11 +148,15 @@ def run_case(fn, args, constants):
     }
 
 
+HEADS = ("cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads")
+
+
 def main():
     import jax
 
     assert len(jax.devices()) == 2, jax.devices()
-    report = {name: run_case(fn, args, constants) for name, (fn, args, constants) in CASES.items()}
+    report = {f"data_parallel/{name}": run_case("data_parallel", *case) for name, case in CASES.items()}
+    report.update({f"vocabulary_parallel/{name}": run_case("vocabulary_parallel", *CASES[name]) for name in HEADS})
     print(json.dumps(report))
 
 

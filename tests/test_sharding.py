@@ -1,11 +1,15 @@
-"""Data-parallel locality of the chunked ops and fused heads (SPEC §11) under
-JAX's `DataParallel` on two virtual CPU devices, read off the compiled HLO
-and `memory_analysis()` (tests/sharding_run.py, in a subprocess: the device
-count is fixed when JAX starts): no collective moves rows (hidden states,
-logits, labels, masks), the rows' gradient stays sharded, each device's
-temporaries are at most one device's at the same `chunk_size` (beyond its
-partial sums of a replicated kernel's gradient, before their all-reduce),
-and values and gradients equal one device's.
+"""The chunked ops and fused heads on two devices (SPEC §11), read off the
+compiled HLO and `memory_analysis()` (tests/sharding_run.py, in a
+subprocess: the device count is fixed when JAX starts).
+
+Data-parallel (JAX's `DataParallel`): no collective moves rows (hidden
+states, logits, labels, masks), the rows' gradient stays sharded, each
+device's temporaries are at most one device's at the same `chunk_size`
+(beyond its partial sums of a replicated kernel's gradient, before their
+all-reduce). Vocabulary-parallel (a head kernel split on V by
+`ModelParallel`, [H, V] and a tied [V, H]): the kernel's gradient stays
+split, and only per-row statistics cross devices. Values and gradients
+equal one device's.
 """
 
 import json
@@ -16,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.sharding_run import CHUNK, HIDDEN
 from tests.testing import BACKEND
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,21 +39,38 @@ def report():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(
+JAX_ONLY = pytest.mark.skipif(
     BACKEND != "jax",
-    reason="a sharded batch inside one computation is JAX's (DataParallel); TF's MirroredStrategy and torch DDP "
-    "run each replica on its own rows by construction",
+    reason="one computation over several devices is JAX's (keras.distribution); TF's MirroredStrategy and torch "
+    "DDP run each replica on its own rows and its own copy of the kernel",
 )
+
+
+def _large(found, limit):
+    return [(kind, shapes) for kind, shapes in found["collectives"] if any(np.prod(s) > limit for s in shapes)]
+
+
+@JAX_ONLY
 @pytest.mark.parametrize(
     "case", ["kl_formed_logits", "entropy_formed_logits", "cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads"]
 )
-def test_chunks_stay_on_the_device_that_holds_their_rows(report, case):
-    found = report[case]
+def test_data_parallel_chunks_stay_on_the_device_that_holds_their_rows(report, case):
+    found = report[f"data_parallel/{case}"]
     assert found["rel"] <= 1e-5
-    assert found["rows_grad_sharding"] == "P('batch',)"
-    moved = [(kind, shapes) for kind, shapes in found["collectives"] if kind != "all-reduce" and any(np.prod(s) > SMALL for s in shapes)]
+    assert found["grad_shardings"][0] == "P('batch',)"
+    moved = [(kind, shapes) for kind, shapes in _large(found, SMALL) if kind != "all-reduce"]
     assert moved == [], moved
     # All-reduces: scalars, and for a trained head its kernel's and bias's gradient, once.
-    reduced = [shapes for kind, shapes in found["collectives"] if kind == "all-reduce" and any(np.prod(s) > SMALL for s in shapes)]
-    assert len(reduced) <= 1, reduced
+    assert len(_large(found, SMALL)) <= 1, found["collectives"]
     assert found["temp_two"] <= found["temp_one"] + found["replicated_grad_bytes"], found
+
+
+@JAX_ONLY
+@pytest.mark.parametrize("case", ["cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads"])
+def test_vocabulary_parallel_heads_keep_the_kernel_gradient_sharded(report, case):
+    found = report[f"vocabulary_parallel/{case}"]
+    assert found["rel"] <= 1e-5
+    # The kernel's gradient (the second gradient) stays split on V: [H, V] on axis 1, a tied [V, H] on axis 0.
+    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found["grad_shardings"]
+    # Inside the loop only per-row statistics cross devices ([chunk] or [chunk, H]): nothing [chunk, V] or kernel-sized.
+    assert _large(found, CHUNK * HIDDEN) == [], found["collectives"]

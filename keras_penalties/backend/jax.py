@@ -233,10 +233,23 @@ def _add_kernel_grad(total, hidden, dlogits, transpose_kernel):
     `_add_kernel_grad_in_blocks`). The blocks were measured on CPU only,
     and XLA:GPU's GEMM rewriter can fold the add into the product (cuBLAS's
     beta) where a loop of small products would cost a launch each: on other
-    platforms it stays the plain sum."""
-    if jax.default_backend() != "cpu":
+    platforms, and where variables may be sharded, it stays the plain sum."""
+    if jax.default_backend() != "cpu" or _model_parallel():
         return total + kernel_grad(hidden, dlogits, transpose_kernel)
     return _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel)
+
+
+def _model_parallel():
+    """Whether Keras' distribution splits variables (a `ModelParallel` mesh
+    with a non-batch axis over several devices). A kernel may then be
+    sharded on its vocabulary axis, which the blocks of a tied kernel's
+    gradient slice: XLA gathered each chunk's [chunk, V] logits gradient
+    for them, and left the kernel's gradient replicated."""
+    distribution = keras.distribution.distribution()
+    if not isinstance(distribution, keras.distribution.ModelParallel):
+        return False
+    mesh = distribution.device_mesh
+    return any(size > 1 for name, size in zip(mesh.axis_names, mesh.shape) if name != distribution.batch_dim_name)
 
 
 def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
