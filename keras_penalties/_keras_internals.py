@@ -9,6 +9,7 @@ Nothing else in the package imports `keras.src` or a private TF module, or
 touches a `_`-attribute of a Keras object.
 """
 
+import contextlib
 import sys
 
 import keras
@@ -144,6 +145,52 @@ def added_losses(model):
     (Keras 3.0 on).
     """
     return [loss for layer in model._flatten_layers(include_self=True) for loss in layer._get_own_losses()]
+
+
+@contextlib.contextmanager
+def added_losses_kept(layer):
+    """Within the block, whatever other threads do, `layer`'s and its
+    sublayers' lists of added losses are, at its end, what they were at its
+    start (`layer` None: nothing is kept).
+
+    `tf.distribute.MirroredStrategy` runs (and traces) each replica's step
+    in a thread of its own, one at a time, switching at every cross-replica
+    sum; Keras keeps one list of `add_loss` losses per layer for all of
+    them, and a replica's forward pass clears and refills it. A sum inside
+    one replica's forward pass would let the next replica's pass replace
+    its losses: the block around the sum restores them.
+
+    Relies on: `Layer._flatten_layers()`, and each layer's `_losses` list and
+    `_loss_ids` set, which `add_loss` fills and `_clear_losses` empties
+    (Keras 3.0 on; `_loss_ids` read in 3.14.1 and 3.15.1, and kept only
+    where it exists).
+    """
+    if layer is None:
+        yield
+        return
+    saved = [
+        (each, list(each._losses), set(getattr(each, "_loss_ids", ())))
+        for each in layer._flatten_layers(include_self=True)
+    ]
+    try:
+        yield
+    finally:
+        for each, losses, ids in saved:
+            each._losses[:] = losses
+            if hasattr(each, "_loss_ids"):
+                each._loss_ids.clear()
+                each._loss_ids.update(ids)
+
+
+def calling_layer():
+    """The layer whose call is outermost now (the model a forward pass runs),
+    or None outside any call.
+
+    Relies on: the call context's `entry_layer` (Keras 3.0 on), see
+    `current_call_context`.
+    """
+    context = current_call_context()
+    return None if context is None else getattr(context, "entry_layer", None)
 
 
 def add_model_metric(model, metric):

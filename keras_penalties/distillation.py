@@ -28,6 +28,7 @@ from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops.heads import weighted_cross_entropy_sum
 
 DIVERGENCES = ("kl", "js")
@@ -474,7 +475,7 @@ class Distiller(keras.distillation.Distiller):
             weights = ops.ones(ops.shape(student.hidden)[:-1]) if sample_weight is None else sample_weight
             weights = ops.broadcast_to(ops.cast(weights, "float32"), ops.shape(student.hidden)[:-1])
             total = weighted_cross_entropy_sum(y, student, weights, chunk_size=self.chunk_size)
-            return ops.cast(total, "float32") / ops.cast(num.at_least_one(_positions(student)), "float32")
+            return ops.cast(total, "float32") / ops.cast(reductions.at_least_one(_positions(student)), "float32")
         if self.student_losses is None:
             raise ValueError("The Distiller must be compiled (its `loss` is the student loss) before computing a loss.")
         values = keras.tree.map_structure(

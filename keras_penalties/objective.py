@@ -38,6 +38,7 @@ from keras_penalties._term_means import TermMeans
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import DType, Penalty, Tensor, TensorLike, Weight, Weighting
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 from keras_penalties.terms import (
     Composite,
     Term,
@@ -189,7 +190,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         floats = as_float32(inputs)  # half-precision activations, once per call
-        with num.sharing(keras.tree.flatten(floats)):
+        # A masked mean over tokens is the global batch's under a strategy.
+        global_means = reductions.global_token_means(_keras_internals.calling_layer())
+        with num.sharing(keras.tree.flatten(floats)), global_means:
             values = self._values(floats)
             metric_values = self._metric_values(floats) if self.metric_keys else []
         _capture.record(self, values)
@@ -244,7 +247,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         remote trainer's logprobs).
         """
         floats = as_float32(inputs)
-        with num.sharing(keras.tree.flatten(floats)):
+        global_means = reductions.global_token_means(_keras_internals.calling_layer())
+        with num.sharing(keras.tree.flatten(floats)), global_means:
             values = self._values(floats)
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
@@ -500,7 +504,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
             if model is not None:
                 self.attach(model)
         self._no_weight_decay_on_log_variances()
-        with num.sharing([t for t in (y_true, y_pred) if ops.is_tensor(t)]):
+        model = next((m for m in (ref() for ref in self._attached) if m is not None), None)
+        with num.sharing([t for t in (y_true, y_pred) if ops.is_tensor(t)]), reductions.global_token_means(model):
             values = backend.stack(
                 [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
             )

@@ -30,6 +30,7 @@ from keras_penalties import _keras_internals, backend
 from keras_penalties import ops as penalties
 from keras_penalties._types import InputKeys, Penalty, PenaltyName, Tensor, TensorLike, Weight
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 
 METRIC_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _OPS = {name: getattr(penalties, name) for name in penalties.PENALTIES}
@@ -396,7 +397,7 @@ class _RegularizerPenalty(_Penalty):
         (x,) = tensors
         value = self.fn(x)
         if len(x.shape) > 0:
-            value = value / ops.cast(num.batch_size(x), value.dtype)
+            value = value / ops.cast(reductions.batch_size(x), value.dtype)
         return value
 
 

@@ -204,6 +204,39 @@ def train_distiller():
     return results
 
 
+def train_token_objective():
+    """A CompositeObjective's masked token means, whose masks keep fewer
+    tokens on one replica than on the other: an entropy over the kept
+    positions (whole, and in chunks of 2 rows), and a cross-entropy from
+    the hidden states through the head (fused, chunks of 4). Each is the
+    mean over the global batch's kept tokens, not the replicas' means'
+    mean (SPEC §11)."""
+    keras.utils.set_random_seed(3)
+    tokens = keras.Input((TOKENS,), dtype="int32", name="tokens")
+    labels = keras.Input((TOKENS,), dtype="int32", name="labels")
+    mask = keras.Input((TOKENS,), name="mask")
+    hidden = keras.layers.Embedding(VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="tok_embedding")(tokens)
+    head = keras.layers.Dense(VOCAB, name="tok_head")
+    logits = head(hidden)
+    objective = CompositeObjective(
+        {
+            "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
+            "ent_chunked": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}),
+        },
+        name="tok",
+    )
+    outputs = objective({"logits": logits, "mask": mask})["logits"]
+    model = keras.Model([tokens, labels, mask], outputs)
+    model.compile(keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(
+        [LM_TOKENS, LM_LABELS, LM_WEIGHTS], LM_LABELS, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        callbacks=[PenaltyMonitor()],
+    )
+    results = {f"tokens/history/{k}": v for k, v in history.history.items()}
+    results["tokens/kernel"] = keras.ops.convert_to_numpy(head.kernel).tolist()
+    return results
+
+
 def distributed(mode):
     if BACKEND == "jax":
         devices = keras.distribution.list_devices("cpu")
@@ -242,9 +275,9 @@ def _same_kind(key, probe, layer, kind):
 def main(mode):
     if BACKEND == "tensorflow":
         split_tensorflow_cpu()
-    one = {**train(), **train_distiller(), **train_famo()}
+    one = {**train(), **train_distiller(), **train_famo(), **train_token_objective()}
     with distributed(mode):
-        two = {**train(), **train_distiller(), **train_famo()}
+        two = {**train(), **train_distiller(), **train_famo(), **train_token_objective()}
         refused = famo_refused() if BACKEND == "tensorflow" else []
     report = {}
     for key, value in one.items():

@@ -11,8 +11,9 @@ Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
 Regularizer term, a CompositeLoss with mean, sum and ops terms, a callback
 that calls set_weight/disable/enable, and adaptive weights (an
 uncertainty-weighted objective with a chunked entropy term, a per-term custom metric, DynamicWeightAverage
-on the loss, GradNorm on the objective), and a fused Distiller whose token
-masks keep more tokens on one replica than on the other.
+on the loss, GradNorm on the objective), a fused Distiller whose token
+masks keep more tokens on one replica than on the other, and an objective
+whose masked token means (whole and chunked) see such masks too.
 """
 
 import json
@@ -61,7 +62,8 @@ def test_two_devices_match_one(mode):
                 "gradnorm5/weights", "log_variances", "distiller/predictions", "distiller/history/loss",
                 "distiller/history/distillation/kd", "distiller/history/distillation/js", "distiller/history/student_loss",
                 "distiller/evaluate/total_loss", "famo/loss/famo_logits", "famo/history/floss/mae_sum/weight",
-                "famo/predictions") + FAMO_OBJECTIVE_KEYS[BACKEND]:
+                "famo/predictions", "tokens/history/tok/ent", "tokens/history/tok/ent_chunked", "tokens/kernel",
+                "tokens/history/loss") + FAMO_OBJECTIVE_KEYS[BACKEND]:
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
     assert not bad, {k: (v["rel"], v["one"], v["two"]) for k, v in bad.items()}

@@ -79,9 +79,11 @@ organises `keras/src/backend/`:
   `chunked_sum` run each device's own chunks); 1 elsewhere.
 - `replicas_in_sync()`: how many replicas share the current step (a
   `tf.distribute` replica context); 1 everywhere else.
-- `sum_over_replicas(tensors)`: each tensor summed over the replicas of a
-  `tf.distribute` replica context (None stays None); the tensors themselves
-  everywhere else.
+- `sum_over_replicas(tensors, keep_losses_of=None)`: each tensor summed
+  over the replicas of a `tf.distribute` replica context (None stays
+  None), keeping the add_loss lists of the layer `keep_losses_of` (the
+  model whose forward pass the sum runs in) as they were; the tensors
+  themselves everywhere else.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
 - `outside_distribution(fn)`: runs `fn()` as on one device, where Keras

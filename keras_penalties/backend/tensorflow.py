@@ -517,14 +517,15 @@ def replicas_in_sync():
     return 1 if context is None else context.num_replicas_in_sync
 
 
-def sum_over_replicas(tensors):
+def sum_over_replicas(tensors, keep_losses_of=None):
     tensors = list(tensors)
     present = [i for i, t in enumerate(tensors) if t is not None]
     if not present:
         return tensors
-    summed = tf.distribute.get_replica_context().all_reduce(
-        tf.distribute.ReduceOp.SUM, [tensors[i] for i in present]
-    )
+    with _keras_internals.added_losses_kept(keep_losses_of):
+        summed = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, [tensors[i] for i in present]
+        )
     for i, t in zip(present, summed):
         tensors[i] = t
     return tensors

@@ -20,6 +20,7 @@ import numpy as np
 from keras import ops
 
 from keras_penalties import backend
+from keras_penalties.ops._reductions import at_least_one
 
 REDUCTIONS = ("sum", "mean", "none")
 # The magnitude penalties (l1, l2, elastic_net) also take Keras' activity-
@@ -291,43 +292,6 @@ def is_half(dtype):
 # ---------------------------------------------------------------- safe math
 
 
-# keras.ops.maximum, logaddexp, mean (and matmul on torch) go through
-# keras.backend.result_type, which maps float64 to float32: they would compute
-# float64 inputs in float32. The helpers below, and `ops.einsum` for products,
-# keep float64 exact.
-
-
-def count(x, axis=None):
-    """How many elements of `x` lie along `axis` (an int, a tuple, or None
-    for all axes); symbolic where the shape is."""
-    axes = range(len(x.shape)) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
-    shape = ops.shape(x)
-    n = 1
-    for a in axes:
-        n = n * shape[a]
-    return n
-
-
-def at_least_one(n):
-    """max(n, 1) for a size: a sum over nothing is 0, and 0 divided by it
-    stays 0 (an empty batch gives 0, not NaN). A size known only at run time
-    is a tensor on TensorFlow; on JAX, in a layer's symbolic call, it is a
-    symbolic dimension, which must stay one (a shape cannot hold an array)."""
-    return ops.maximum(n, 1) if ops.is_tensor(n) else max(n, 1)
-
-
-def mean(x, axis=None):
-    """Mean over `axis` (an int, a tuple, or None for all axes); 0 where
-    there is nothing to average."""
-    total = ops.sum(x, axis=axis)
-    return total / ops.cast(at_least_one(count(x, axis)), total.dtype)
-
-
-def batch_size(x):
-    """The size of axis 0 (1 for a scalar), at least 1."""
-    return at_least_one(ops.shape(x)[0]) if len(x.shape) else 1
-
-
 # Why a divergence, an entropy or a cross-entropy needs rank >= 1.
 DISTRIBUTION_AXIS = "a distribution axis"
 
@@ -448,62 +412,6 @@ def _share(x, key, value):
     held = _SHARING.get()
     if held is not None and id(x) in held[0]:
         held[1].setdefault((id(x), key), value)
-
-
-def scale_sum(total, x, reduction):
-    """`total`, the sum of all of `x`, as `reduction` asks: as is (`"sum"`),
-    per element (`"mean"`) or per sample (`"sum_over_batch_size"`); 0 for
-    an empty `x`."""
-    if reduction == "sum":
-        return total
-    n = at_least_one(count(x)) if reduction == "mean" else batch_size(x)
-    return backend.divide_by_count(total, n)
-
-
-def reduce(values, reduction):
-    """Reduces per-element (or per-sample) `values` as `reduction` asks."""
-    if reduction == "none":
-        return values
-    return scale_sum(backend.reduce_sum(values), values, reduction)
-
-
-def without_axis(shape, axis):
-    """`shape` as a tuple without its `axis` entry: the per-sample shape."""
-    return tuple(d for i, d in enumerate(shape) if i != axis)
-
-
-def shapes_differ(got, expected):
-    """Whether two shapes disagree: in rank, or in a size both know (None,
-    a size known only at run time, agrees with any)."""
-    return len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected))
-
-
-def sample_mask(mask, x, axis, name="mask", boolean=True):
-    """`mask` as a bool tensor of x's per-sample shape (x's shape without
-    `axis`), nonzero meaning kept; None stays None. With `boolean=False`
-    the values are kept as they are (per-position weights)."""
-    if mask is None:
-        return None
-    mask = ops.convert_to_tensor(mask)
-    expected, got = without_axis(x.shape, axis), tuple(mask.shape)
-    if shapes_differ(got, expected):
-        raise ValueError(
-            f"`{name}` must have the per-sample shape {expected} (the input's shape without "
-            f"`axis`); got {got}."
-        )
-    return ops.cast(mask, "bool") if boolean else mask
-
-
-def masked_reduce(values, mask, reduction):
-    """`reduce` over the kept samples only: masked ones are 0 in the value and
-    the gradient, and `"mean"` divides by the number kept (0 when none is)."""
-    if mask is None:
-        return reduce(values, reduction)
-    values = ops.where(mask, values, ops.zeros_like(values))
-    if reduction != "mean":
-        return reduce(values, reduction)
-    total = ops.sum(values)
-    return total / at_least_one(ops.sum(ops.cast(mask, total.dtype)))
 
 
 def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):

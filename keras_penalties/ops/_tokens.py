@@ -16,6 +16,7 @@ from keras import ops
 from keras_penalties import backend
 from keras_penalties._types import Tensor
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 
 
 
@@ -95,9 +96,9 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
             f"`axis` must be the last axis (-1) when an input is ops.linear(...): its classes are "
             f"the kernel's outputs, last; got axis={axis} for logits of rank {rank}."
         )
-    mask = num.sample_mask(mask, tensors[0], axis)
+    mask = reductions.sample_mask(mask, tensors[0], axis)
     if weights is not None:
-        weights = ops.cast(num.sample_mask(weights, tensors[0], axis, "weights", boolean=False), compute)
+        weights = ops.cast(reductions.sample_mask(weights, tensors[0], axis, "weights", boolean=False), compute)
     if labels is not None:
         labels = _labels(labels, tensors[0], axis, mask, weights)
     if any(lazy) and chunk_size is not None:
@@ -107,7 +108,7 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
     values = num.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
     if weights is not None:
         return num.from_compute(ops.sum(values * weights), dtype)
-    return num.from_compute(num.masked_reduce(values, mask, reduction), dtype)
+    return num.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
 
 
 def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
@@ -128,8 +129,8 @@ def _labels(labels, like, axis, mask, weights=None):
     drops a position or `weights` is 0 (padding labels such as -100 never
     index a class: TF's fused cross-entropy in a head chunk rejects them)."""
     labels = ops.convert_to_tensor(labels)
-    expected, got = num.without_axis(like.shape, axis), tuple(labels.shape)
-    if num.shapes_differ(got, expected):
+    expected, got = reductions.without_axis(like.shape, axis), tuple(labels.shape)
+    if reductions.shapes_differ(got, expected):
         raise ValueError(
             f"`labels` must have the logits' shape without the class axis, {expected} (one class "
             f"index per position); got {got}."
@@ -153,7 +154,7 @@ def _row_weights(mask, weights, reduction, n, compute):
         weights = ops.cast(ops.reshape(mask, (-1,)), compute)
         kept = ops.sum(weights)
     if reduction == "mean":
-        weights = weights / ops.cast(num.at_least_one(kept), compute)
+        weights = weights / ops.cast(reductions.kept_divisor(kept), compute)
     return weights
 
 
@@ -181,7 +182,7 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
     classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
     chunk_size = num.chunk_rows(chunk_size, classes, n, heads=True)
     weights = _row_weights(mask, weights, reduction, n, compute)
-    chunks = num.at_least_one((n + chunk_size - 1) // chunk_size)
+    chunks = reductions.at_least_one((n + chunk_size - 1) // chunk_size)
     pad = chunks * chunk_size - n
     if not isinstance(pad, int) or pad:
         # Padding rows weigh 0: zero hidden states give the bias as logits,

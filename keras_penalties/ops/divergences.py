@@ -23,6 +23,7 @@ from keras import ops
 from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
 DIRECTIONS = ("forward", "reverse", "symmetric")
@@ -293,9 +294,9 @@ def consistency(
         if from_logits:
             a, b = ops.softmax(a, axis=axis), ops.softmax(b, axis=axis)
         if metric == "mse":
-            values = num.mean(ops.square(a - b), axis=axis)
+            values = reductions.mean(ops.square(a - b), axis=axis)
         elif metric == "l1":
-            values = num.mean(ops.abs(a - b), axis=axis)
+            values = reductions.mean(ops.abs(a - b), axis=axis)
         else:
             if len(a.shape) < 2:
                 raise ValueError(
@@ -310,7 +311,7 @@ def consistency(
             positive = denom > 0
             cos = ops.where(positive, dot / ops.where(positive, denom, 1.0), 0.0)
             values = 1.0 - cos
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(reductions.reduce(values, reduction), dtype)
 
 
 @num.options(target=num.open_unit, axis=num.integer)
@@ -337,7 +338,7 @@ def kl_sparsity(x: TensorLike, *, target: float = 0.05, axis: int = 0) -> Tensor
     (x,), dtype = num.to_compute(x)
     num.check_rank("x", x, 1, "a batch axis")
     axis = num.check_axis("axis", axis, len(x.shape))
-    rho_hat = num.mean(x, axis=axis)
+    rho_hat = reductions.mean(x, axis=axis)
     values = target * (math.log(target) - num.safe_log(rho_hat)) + (1.0 - target) * (
         math.log(1.0 - target) - num.safe_log(1.0 - rho_hat)
     )
@@ -405,4 +406,4 @@ def gaussian_kl(
     else:
         terms = ops.exp(log_var - lv_ref) + ops.square(diff) * ops.exp(-lv_ref) - 1.0 - log_var + lv_ref
     values = 0.5 * ops.sum(terms, axis=axis)
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(reductions.reduce(values, reduction), dtype)

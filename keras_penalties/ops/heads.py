@@ -16,6 +16,7 @@ from keras import ops
 from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
 
@@ -160,7 +161,7 @@ def _cross_entropy_values(
     picked = backend.pick_labels(logp, labels, axis)
     if not label_smoothing:
         return -picked
-    return -(1.0 - label_smoothing) * picked - label_smoothing * num.mean(logp, axis=axis)
+    return -(1.0 - label_smoothing) * picked - label_smoothing * reductions.mean(logp, axis=axis)
 
 
 def weighted_cross_entropy_sum(

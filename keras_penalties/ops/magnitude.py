@@ -7,6 +7,7 @@ from keras import ops
 from keras_penalties import backend
 from keras_penalties._types import Center, MagnitudeReduction, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
+from keras_penalties.ops import _reductions as reductions
 
 
 @num.options(reduction=num.MAGNITUDE_REDUCTION)
@@ -35,7 +36,7 @@ def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     (x,), dtype = num.to_compute(x)
     if reduction == "none":
         return num.from_compute(ops.abs(x), dtype)
-    return num.from_compute(num.scale_sum(backend.sum_abs(x), x, reduction), dtype)
+    return num.from_compute(reductions.scale_sum(backend.sum_abs(x), x, reduction), dtype)
 
 
 # Σ|x| is `backend.sum_abs` and Σx² `backend.sum_of_squares`: each a single
@@ -80,14 +81,14 @@ def l2(
     """
     (x,), dtype = num.to_compute(x)
     if center == "mean":
-        x = x - num.mean(x)
+        x = x - reductions.mean(x)
     elif center is not None and center != 0.0:
         x = x - center
     if clip is not None:
         x = ops.clip(x, -clip, clip)
     if reduction == "none":
         return num.from_compute(ops.square(x), dtype)
-    return num.from_compute(num.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
+    return num.from_compute(reductions.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
 
 
 @num.options(l1_ratio=num.closed_unit, reduction=num.MAGNITUDE_REDUCTION)
@@ -110,7 +111,7 @@ def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeRed
     if reduction == "none":
         return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
     total = l1_ratio * backend.sum_abs(x) + (1.0 - l1_ratio) * backend.sum_of_squares(x)
-    return num.from_compute(num.scale_sum(total, x, reduction), dtype)
+    return num.from_compute(reductions.scale_sum(total, x, reduction), dtype)
 
 
 @num.options(target=num.non_negative, reduction=num.REDUCTION)
@@ -141,4 +142,4 @@ def output_magnitude(x: TensorLike, *, target: float = 1.0, reduction: Reduction
     else:
         norms = num.safe_norm(x, axis=tuple(range(1, len(x.shape))))
     values = ops.square(norms - target)
-    return num.from_compute(num.reduce(values, reduction), dtype)
+    return num.from_compute(reductions.reduce(values, reduction), dtype)
