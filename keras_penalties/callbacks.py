@@ -331,7 +331,8 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     Args:
         probe_data: `(x, y)`, `[x, y]` or `x`: a fixed, non-empty batch to
-            probe on; None for no probes.
+            probe on; None for no probes. With several JAX processes, the
+            same batch in every process.
         every_n_batches: probe every this many training batches (≥ 1).
         grad_norms: compute gradient norms on probes (else values only).
         external: dict name → `f(x, y, y_pred)`: scores computed outside the

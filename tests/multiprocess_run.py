@@ -1,0 +1,135 @@
+"""Trains the same models in one JAX process and in several (each with
+several virtual CPU devices, joined by `keras.distribution.initialize`),
+on the same global batches. Run by tests/test_multiprocess.py:
+
+    KERAS_BACKEND=jax python -m tests.multiprocess_run one
+    KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
+        python -m tests.multiprocess_run worker PORT PROCESS_ID PROCESSES
+
+Each process feeds its own rows of every global batch (`DataParallel(...,
+auto_shard_dataset=False)`: the global batch b is every process's b-th
+batch, in process order) and prints one JSON line: the fit logs, the
+weights, the monitor's probes and GradNorm's weights. The probe batch is
+the same global rows in every process.
+
+    python -m tests.multiprocess_run die     # exits at once with an error
+"""
+
+import json
+import sys
+
+if __name__ == "__main__" and sys.argv[1] == "die":
+    sys.exit("this process dies at once, as a crashed peer would")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_penalties import CompositeObjective, Term  # noqa: E402
+from keras_penalties import losses as L  # noqa: E402
+from keras_penalties import optimizers as opt  # noqa: E402
+from keras_penalties import regularizers as R  # noqa: E402
+from keras_penalties.callbacks import GradNorm, PenaltyMonitor  # noqa: E402
+from keras_penalties.distillation import Distiller, LogitsDivergence  # noqa: E402
+
+BATCH = 8  # global rows per step
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 6)).astype("float32")
+Y = RNG.normal(size=(32, 4)).astype("float32")
+VOCAB, TOKENS = 9, 4
+LM_TOKENS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+# The first half of every global batch keeps fewer tokens: uneven per process.
+LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4), 4)[:, None]).astype("float32")
+LM_WEIGHTS[:, 0] = 1.0
+
+
+def local_rows(array, process, processes):
+    """This process's rows of each global batch of BATCH rows."""
+    per = BATCH // processes
+    return np.concatenate([array[b + process * per : b + (process + 1) * per] for b in range(0, len(array), BATCH)])
+
+
+def build():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01), name="dense_a")(inputs)
+    hidden = CompositeObjective(
+        {"l2": Term("l2"), "ent": Term("entropy", options={"from_logits": True, "chunk_size": 2})},
+        weighting="uncertainty", name="uobj",
+    )(hidden)
+    hidden = keras.layers.Dense(8, name="dense_b")(hidden)
+    hidden = CompositeObjective(
+        {
+            "l1": Term("l1", 0.01),
+            "l1_sum": Term("l1", 0.001, options={"reduction": "sum"}),
+            "ent": Term("entropy", 0.05, options={"from_logits": True}),
+        },
+        name="obj",
+    )(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+    loss = L.CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo", name="closs"
+    )
+    optimizer = opt.ProximalDecay(opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3))
+    model.compile(optimizer, loss=loss)
+    return model
+
+
+def train(process, processes):
+    model = build()
+    probe = (X[:BATCH], Y[:BATCH])
+    monitor = PenaltyMonitor(probe_data=probe, every_n_batches=2)
+    gradnorm = GradNorm("obj", "dense_b", probe_data=probe, every_n_batches=2)
+    x, y = local_rows(X, process, processes), local_rows(Y, process, processes)
+    history = model.fit(
+        x, y, batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0, callbacks=[gradnorm, monitor]
+    )
+    evaluation = model.evaluate(x, y, batch_size=BATCH // processes, verbose=0, return_dict=True)
+    results = {f"history/{k}": v for k, v in history.history.items()}
+    results.update({f"evaluate/{k}": v for k, v in evaluation.items()})
+    results.update({f"weights/{i}": w.tolist() for i, w in enumerate(model.get_weights())})
+    for i, entry in enumerate(monitor.history):
+        results.update({f"probe{i}/{k}": v for k, v in entry.items()})
+    for i, entry in enumerate(gradnorm.history):
+        results[f"gradnorm{i}/weights"] = list(entry["weights"].values())
+    return results
+
+
+def train_distiller(process, processes):
+    def lm(name, seed):
+        keras.utils.set_random_seed(seed)
+        tokens = keras.Input((TOKENS,), dtype="int32")
+        embedding = keras.layers.ReversibleEmbedding(
+            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
+        )
+        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
+        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
+
+    distiller = Distiller(
+        lm("teacher", 1), lm("student", 2), [LogitsDivergence(temperature=2.0, name="kd")], [4.0],
+        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4,
+    )
+    distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rows = [local_rows(a, process, processes) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
+    history = distiller.fit(*rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0)
+    evaluation = distiller.evaluate(*rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, verbose=0, return_dict=True)
+    results = {f"distiller/history/{k}": v for k, v in history.history.items()}
+    results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
+    results.update({f"distiller/weights/{i}": w.tolist() for i, w in enumerate(distiller.student.get_weights())})
+    return results
+
+
+def main(role, *args):
+    process, processes = 0, 1
+    if role == "worker":
+        port, process, processes = int(args[0]), int(args[1]), int(args[2])
+        keras.distribution.initialize(job_addresses=f"localhost:{port}", num_processes=processes, process_id=process)
+        distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices(), auto_shard_dataset=False)
+        keras.distribution.set_distribution(distribution)
+    results = {**train(process, processes), **train_distiller(process, processes)}
+    results["devices"] = len(keras.distribution.list_devices())
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,71 @@
+"""Several processes on this machine (SPEC §11), through tests/processes.py:
+JAX with 2 processes × 2 virtual CPU devices, joined by
+`keras.distribution.initialize` on a free localhost port, equal one process
+on the same global batches (tests/multiprocess_run.py: composites with
+per-term logs, uncertainty and FAMO weighting, `PenaltyMonitor`, `GradNorm`,
+`ProximalDecay` around `AdaptiveGradientClipping`, the fused `Distiller`
+with uneven token masks; fit, evaluate, weights, probes); and a process
+that dies makes the launch fail at once, leaving no process behind.
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from tests import processes
+from tests.testing import BACKEND
+
+JAX_ONLY = pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="the processes are JAX's (keras.distribution.initialize); TF's MultiWorkerMirroredStrategy and torch "
+    "DDP are not covered yet (see docs/scaling_out.md)",
+)
+ENV = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
+WORKER_ENV = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def _report(result):
+    code, out, err = result
+    assert code == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@JAX_ONLY
+def test_two_processes_of_two_devices_equal_one_process():
+    port = processes.free_port()
+    workers = processes.run([["tests.multiprocess_run", "worker", str(port), str(i), "2"] for i in range(2)], env=WORKER_ENV)
+    first, second = (_report(r) for r in workers)
+    (one,) = (_report(r) for r in processes.run([["tests.multiprocess_run", "one"]], env=ENV))
+    assert (one.pop("devices"), first.pop("devices"), second.pop("devices")) == (1, 4, 4)
+    assert set(first) == set(one) == set(second)
+    for key in ("history/obj/l1", "history/uobj/ent/weight", "history/closs/mse/weight", "evaluate/obj/l1_sum",
+                "probe3/total/grad_norm", "gradnorm3/weights", "distiller/history/distillation/kd",
+                "distiller/evaluate/total_loss", "weights/0", "distiller/weights/0"):
+        assert key in one, key
+    bad = {}
+    for key, value in one.items():
+        a, b, c = (np.asarray(v, np.float64) for v in (value, first[key], second[key]))
+        if not (np.array_equal(b, c) and np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-6)):
+            bad[key] = (value, first[key], second[key])
+    assert not bad, bad
+
+
+@JAX_ONLY
+def test_a_dead_process_fails_the_launch_at_once_and_leaves_none():
+    # The worker waits for its peer in keras.distribution.initialize (JAX's
+    # own timeout is minutes); the peer dies at once.
+    port = processes.free_port()
+    start = time.monotonic()
+    results = processes.run(
+        [["tests.multiprocess_run", "worker", str(port), "0", "2"], ["tests.multiprocess_run", "die"]],
+        env=WORKER_ENV, timeout=120,
+    )
+    assert time.monotonic() - start < 60
+    (waiting, _, _), (died, _, err) = results
+    assert died == 1 and "dies at once" in err
+    assert waiting < 0  # killed
+    leftovers = [line for line in os.popen("ps -eo args").read().splitlines() if f"multiprocess_run worker {port}" in line]
+    assert leftovers == []
