@@ -1,11 +1,20 @@
-"""Several processes on this machine (SPEC §11), through tests/processes.py:
-JAX with 2 processes × 2 virtual CPU devices, joined by
-`keras.distribution.initialize` on a free localhost port, equal one process
-on the same global batches (tests/multiprocess_run.py: composites with
-per-term logs, uncertainty and FAMO weighting, `PenaltyMonitor`, `GradNorm`,
-`ProximalDecay` around `AdaptiveGradientClipping`, the fused `Distiller`
-with uneven token masks; fit, evaluate, weights, probes); and a process
-that dies makes the launch fail at once, leaving no process behind.
+"""Several processes on this machine (SPEC §11), through tests/processes.py,
+each setup equal to one process on the same global batches:
+
+- JAX, 2 processes × 2 virtual CPU devices joined by
+  `keras.distribution.initialize` (tests/multiprocess_run.py): `fit` and
+  `evaluate` of composites with per-term logs, uncertainty and FAMO
+  weighting, `PenaltyMonitor`, `GradNorm`, `ProximalDecay` around
+  `AdaptiveGradientClipping`, the fused `Distiller` with uneven token masks;
+- TensorFlow, 2 `MultiWorkerMirroredStrategy` workers in a custom loop
+  (tests/multiworker_run.py; Keras' `fit` fails there, keras#20585):
+  an objective's add_loss, `compute` with a masked token mean over uneven
+  masks, the optimizer wrappers, `Distiller.compute_loss`;
+- torch, 2 processes with `DistributedDataParallel` (gloo) in a custom loop
+  (tests/ddp_run.py): the same calls.
+
+A process that dies makes the launch fail at once, leaving none behind.
+Each setup runs in its backend's suite: the processes are that backend's.
 """
 
 import json
@@ -18,11 +27,9 @@ import pytest
 from tests import processes
 from tests.testing import BACKEND
 
-JAX_ONLY = pytest.mark.skipif(
-    BACKEND != "jax",
-    reason="the processes are JAX's (keras.distribution.initialize); TF's MultiWorkerMirroredStrategy and torch "
-    "DDP are not covered yet (see docs/scaling_out.md)",
-)
+JAX_ONLY = pytest.mark.skipif(BACKEND != "jax", reason="JAX processes (keras.distribution.initialize); the launcher is every backend's")
+TF_ONLY = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow workers (MultiWorkerMirroredStrategy)")
+TORCH_ONLY = pytest.mark.skipif(BACKEND != "torch", reason="torch processes (torch.distributed, DDP)")
 ENV = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
 WORKER_ENV = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
@@ -33,6 +40,18 @@ def _report(result):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _assert_equal_to_one_process(one, first, second):
+    """Every number of the processes' reports within 1e-5 of one process's
+    (relative to the quantity's largest), the processes' bit for bit."""
+    assert set(first) == set(one) == set(second)
+    bad = {}
+    for key, value in one.items():
+        a, b, c = (np.asarray(v, np.float64) for v in (value, first[key], second[key]))
+        if not (np.array_equal(b, c) and np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-6)):
+            bad[key] = (value, first[key], second[key])
+    assert not bad, bad
+
+
 @JAX_ONLY
 def test_two_processes_of_two_devices_equal_one_process():
     port = processes.free_port()
@@ -40,17 +59,31 @@ def test_two_processes_of_two_devices_equal_one_process():
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.multiprocess_run", "one"]], env=ENV))
     assert (one.pop("devices"), first.pop("devices"), second.pop("devices")) == (1, 4, 4)
-    assert set(first) == set(one) == set(second)
     for key in ("history/obj/l1", "history/uobj/ent/weight", "history/closs/mse/weight", "evaluate/obj/l1_sum",
                 "probe3/total/grad_norm", "gradnorm3/weights", "distiller/history/distillation/kd",
                 "distiller/evaluate/total_loss", "weights/0", "distiller/weights/0"):
         assert key in one, key
-    bad = {}
-    for key, value in one.items():
-        a, b, c = (np.asarray(v, np.float64) for v in (value, first[key], second[key]))
-        if not (np.array_equal(b, c) and np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-6)):
-            bad[key] = (value, first[key], second[key])
-    assert not bad, bad
+    _assert_equal_to_one_process(one, first, second)
+
+
+@TF_ONLY
+def test_two_multiworker_mirrored_workers_in_a_custom_loop_equal_one_process():
+    env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    ports = [str(processes.free_port()) for _ in range(2)]
+    workers = processes.run([["tests.multiworker_run", "worker", *ports, str(i)] for i in range(2)], env=env)
+    first, second = (_report(r) for r in workers)
+    (one,) = (_report(r) for r in processes.run([["tests.multiworker_run", "one"]], env=env))
+    assert (one.pop("replicas"), first.pop("replicas"), second.pop("replicas")) == (1, 2, 2)
+    _assert_equal_to_one_process(one, first, second)
+
+
+@TORCH_ONLY
+def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
+    port = str(processes.free_port())
+    workers = processes.run([["tests.ddp_run", "worker", port, str(i)] for i in range(2)], env={"KERAS_BACKEND": "torch"})
+    first, second = (_report(r) for r in workers)
+    (one,) = (_report(r) for r in processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
+    _assert_equal_to_one_process(one, first, second)
 
 
 @JAX_ONLY

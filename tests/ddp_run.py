@@ -1,0 +1,135 @@
+"""Custom torch training loops in one process and in two processes joined by
+`torch.distributed` (gloo, localhost), on the same global batches. Run by
+tests/test_multiprocess.py:
+
+    KERAS_BACKEND=torch python -m tests.ddp_run one
+    KERAS_BACKEND=torch python -m tests.ddp_run worker PORT RANK
+
+Each process runs its own rows of every global batch. The regression model
+(a `CompositeObjective` inside, `compute` of a second objective on the
+predictions, `ProximalDecay` around `AdaptiveGradientClipping`) is wrapped
+in `DistributedDataParallel`, which averages the processes' gradients; the
+fused `Distiller.compute_loss` runs on the Distiller itself, its gradients
+averaged by hand as DDP does. Keras 3.15 has no torch distribution: each
+process's values are its own rows', so the terms here are per-sample and
+per-token means over shards that keep equal numbers of rows and tokens,
+which DDP's average makes the global ones. It prints one JSON line: each
+step's loss averaged over the processes, and the final weights.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+from tests.multiprocess_run import BATCH, LM_LABELS, LM_TOKENS, TOKENS, VOCAB, X, Y, local_rows
+
+# Token and row masks that keep the same number in each half of every global
+# batch (each process's rows): DDP's average of the processes' means is then
+# the global mean.
+_RNG = np.random.default_rng(9)
+MASK = np.zeros(32, "float32")
+LM_WEIGHTS = np.zeros((32, TOKENS), "float32")
+for half in range(0, 32, 4):
+    MASK[half + _RNG.permutation(4)[:3]] = 1.0
+    LM_WEIGHTS[half : half + 4].reshape(-1)[_RNG.permutation(4 * TOKENS)[:10]] = 1.0
+
+
+def _average(values, processes):
+    import torch
+
+    if processes > 1:
+        for value in values:
+            torch.distributed.all_reduce(value)
+            value /= processes
+    return values
+
+
+def regression(process, processes):
+    import keras
+    import torch
+
+    from keras_penalties import CompositeObjective, Term
+    from keras_penalties import optimizers as opt
+    from keras_penalties import regularizers as R
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
+    hidden = CompositeObjective({"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    optimizer = opt.ProximalDecay(opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3))
+    optimizer.build(model.trainable_variables)
+    head = CompositeObjective({"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head")
+    forward = torch.nn.parallel.DistributedDataParallel(model) if processes > 1 else model
+    x, y, mask = (torch.tensor(local_rows(a, process, processes)) for a in (X, Y, MASK))
+    per = BATCH // processes
+    losses, entropies = [], []
+    for epoch in range(2):
+        for start in range(0, len(x), per):
+            rows = slice(start, start + per)
+            pred = forward(x[rows])
+            total, values = head.compute({"pred": pred, "mask": mask[rows]})
+            loss = torch.mean(torch.square(pred - y[rows])) + sum(model.losses) + total
+            loss.backward()
+            variables = model.trainable_variables
+            optimizer.apply([v.value.grad for v in variables], variables)
+            for v in variables:
+                v.value.grad = None
+            losses.append(float(_average([loss.detach().clone()], processes)[0]))
+            entropies.append(float(_average([values["ent"].detach().clone()], processes)[0]))
+    weights = {f"weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(model.trainable_variables)}
+    return {"losses": losses, "head/ent": entropies, **weights}
+
+
+def distiller(process, processes):
+    import keras
+    import torch
+
+    from keras_penalties.distillation import Distiller, LogitsDivergence
+
+    def lm(name, seed):
+        keras.utils.set_random_seed(seed)
+        tokens = keras.Input((TOKENS,), dtype="int32")
+        embedding = keras.layers.ReversibleEmbedding(
+            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
+        )
+        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
+        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
+
+    model = Distiller(
+        lm("teacher", 1), lm("student", 2), [LogitsDivergence(temperature=2.0, name="kd")], [4.0],
+        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4,
+    )
+    model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    variables = model.student.trainable_variables
+    model.optimizer.build(variables)
+    rows = [torch.tensor(local_rows(a, process, processes)) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
+    per = BATCH // processes
+    losses = []
+    for epoch in range(2):
+        for start in range(0, len(rows[0]), per):
+            tokens, labels, weights = (r[start : start + per] for r in rows)
+            loss = model.compute_loss(x=tokens, y=labels, sample_weight=weights)
+            grads = torch.autograd.grad(loss, [v.value for v in variables])
+            model.optimizer.apply(_average(list(grads), processes), variables)
+            losses.append(float(_average([loss.detach().clone()], processes)[0]))
+    weights = {f"distiller/weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(variables)}
+    return {"distiller/losses": losses, **weights}
+
+
+def main(role, *args):
+    import torch
+
+    process, processes = 0, 1
+    if role == "worker":
+        process, processes = int(args[1]), 2
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://localhost:{args[0]}", rank=process, world_size=processes)
+    results = {**regression(process, processes), **distiller(process, processes)}
+    print(json.dumps(results))
+    if processes > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
