@@ -402,7 +402,8 @@ class PenaltyMonitor(keras.callbacks.Callback):
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
-        _add_to_model(model, [objective_means(o) for o in self.objectives] + [l.tracker for l in _composite_losses(model)])
+        trackers = [loss.tracker for loss in _composite_losses(model)]
+        _add_to_model(model, [objective_means(o) for o in self.objectives] + trackers)
         for loss in _composite_losses(model):
             loss.tracker_registered = True
 

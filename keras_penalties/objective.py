@@ -244,7 +244,10 @@ class CompositeObjective(Composite, keras.layers.Layer):
         `total` is Σ wᵢ·termᵢ over enabled terms (a float32 scalar tensor) and
         `values` maps each enabled term to its unweighted scalar. Usable in a
         custom training loop, or on tensors received from elsewhere (e.g. a
-        remote trainer's logprobs).
+        remote trainer's logprobs). Under a tf.distribute strategy, a masked
+        token mean is the global batch's (a sum over the replicas): in a
+        custom loop with several replicas in one process, read
+        `model.losses` before calling it.
         """
         floats = as_float32(inputs)
         global_means = reductions.global_token_means(_keras_internals.calling_layer())
@@ -504,8 +507,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
             if model is not None:
                 self.attach(model)
         self._no_weight_decay_on_log_variances()
-        model = next((m for m in (ref() for ref in self._attached) if m is not None), None)
-        with num.sharing([t for t in (y_true, y_pred) if ops.is_tensor(t)]), reductions.global_token_means(model):
+        tensors = [t for t in (y_true, y_pred) if ops.is_tensor(t)]
+        with num.sharing(tensors), reductions.global_token_means(self._model_across_replicas()):
             values = backend.stack(
                 [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
             )
@@ -526,6 +529,14 @@ class CompositeLoss(Composite, keras.losses.Loss):
             # As Keras' own losses do: the replicas' gradients are summed.
             total = total / float(divisor)
         return ops.cast(total, self.dtype)
+
+    def _model_across_replicas(self):
+        """Under several tf.distribute replicas, the model computing this loss
+        (whose add_loss lists a cross-replica sum must keep); else None."""
+        if backend.replicas_in_sync() == 1:
+            return None
+        model = _keras_internals.calling_model(_computes(self))
+        return model if model is not None else next((m for m in (r() for r in self._attached) if m is not None), None)
 
     def _check_famo_across_replicas(self):
         # The loss is computed before Keras reads the model's add_loss

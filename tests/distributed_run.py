@@ -205,27 +205,41 @@ def train_distiller():
 
 
 def train_token_objective():
-    """A CompositeObjective's masked token means, whose masks keep fewer
-    tokens on one replica than on the other: an entropy over the kept
-    positions (whole, and in chunks of 2 rows), and a cross-entropy from
-    the hidden states through the head (fused, chunks of 4). Each is the
-    mean over the global batch's kept tokens, not the replicas' means'
-    mean (SPEC §11)."""
+    """A CompositeObjective's token means, under masks that keep fewer tokens
+    on one replica than on the other: an entropy over the kept positions
+    (whole, and in chunks of 2 rows), and a cross-entropy from the hidden
+    states through the head (fused, chunks of 4; masked, and over every
+    position). Each is the mean over the global batch, not the replicas'
+    means' mean (SPEC §11); a layer before the objective adds an activity
+    loss, which the objective's cross-replica sums must leave its
+    replica's."""
+    from keras_penalties import ops as P
+
     keras.utils.set_random_seed(3)
     tokens = keras.Input((TOKENS,), dtype="int32", name="tokens")
     labels = keras.Input((TOKENS,), dtype="int32", name="labels")
     mask = keras.Input((TOKENS,), name="mask")
     hidden = keras.layers.Embedding(VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="tok_embedding")(tokens)
+    hidden = keras.layers.Dense(6, activation="tanh", activity_regularizer=R.L2(0.01), name="tok_body")(hidden)
     head = keras.layers.Dense(VOCAB, name="tok_head")
     logits = head(hidden)
+
+    def fused(masked):
+        def cross_entropy(hidden, labels, mask):
+            return P.cross_entropy(labels, P.linear(hidden, head.kernel, head.bias), mask=mask if masked else None, chunk_size=4)
+
+        return Term(cross_entropy, 0.1, inputs=("hidden", "labels", "mask"))
+
     objective = CompositeObjective(
         {
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
             "ent_chunked": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}),
+            "ce_fused": fused(True),
+            "ce_fused_all": fused(False),
         },
         name="tok",
     )
-    outputs = objective({"logits": logits, "mask": mask})["logits"]
+    outputs = objective({"logits": logits, "hidden": hidden, "labels": labels, "mask": mask})["logits"]
     model = keras.Model([tokens, labels, mask], outputs)
     model.compile(keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(

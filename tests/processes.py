@@ -16,11 +16,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port():
-    """A localhost TCP port nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
+def free_ports(count=1):
+    """`count` different localhost TCP ports nothing listens on now."""
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("localhost", 0))  # held open together: no port twice
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def run(commands, env=None, timeout=300.0):
@@ -32,15 +37,15 @@ def run(commands, env=None, timeout=300.0):
     envs = env if isinstance(env, list) else [env or {}] * len(commands)
     with tempfile.TemporaryDirectory() as folder:
         started = []
-        for i, (command, extra) in enumerate(zip(commands, envs)):
-            out, err = (open(os.path.join(folder, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
-            process = subprocess.Popen(
-                [sys.executable, "-m", *command], cwd=ROOT, env={**os.environ, **extra},
-                stdout=out, stderr=err, text=True, start_new_session=True,
-            )
-            started.append((process, out, err))
         deadline = time.monotonic() + timeout
         try:
+            for i, (command, extra) in enumerate(zip(commands, envs)):
+                out, err = (open(os.path.join(folder, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
+                process = subprocess.Popen(
+                    [sys.executable, "-m", *command], cwd=ROOT, env={**os.environ, **extra},
+                    stdout=out, stderr=err, text=True, start_new_session=True,
+                )
+                started.append((process, out, err))
             while any(p.poll() is None for p, _, _ in started):
                 if any(p.poll() not in (None, 0) for p, _, _ in started) or time.monotonic() > deadline:
                     break

@@ -13,7 +13,8 @@ that calls set_weight/disable/enable, and adaptive weights (an
 uncertainty-weighted objective with a chunked entropy term, a per-term custom metric, DynamicWeightAverage
 on the loss, GradNorm on the objective), a fused Distiller whose token
 masks keep more tokens on one replica than on the other, and an objective
-whose masked token means (whole and chunked) see such masks too.
+whose token means (whole, chunked, and a fused cross-entropy from hidden
+states, masked and not) see such masks too, after a layer's activity loss.
 """
 
 import json
@@ -63,6 +64,7 @@ def test_two_devices_match_one(mode):
                 "distiller/history/distillation/kd", "distiller/history/distillation/js", "distiller/history/student_loss",
                 "distiller/evaluate/total_loss", "famo/loss/famo_logits", "famo/history/floss/mae_sum/weight",
                 "famo/predictions", "tokens/history/tok/ent", "tokens/history/tok/ent_chunked", "tokens/kernel",
+                "tokens/history/tok/ce_fused", "tokens/history/tok/ce_fused_all",
                 "tokens/history/loss") + FAMO_OBJECTIVE_KEYS[BACKEND]:
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}

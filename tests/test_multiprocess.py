@@ -54,7 +54,7 @@ def _assert_equal_to_one_process(one, first, second):
 
 @JAX_ONLY
 def test_two_processes_of_two_devices_equal_one_process():
-    port = processes.free_port()
+    (port,) = processes.free_ports()
     workers = processes.run([["tests.multiprocess_run", "worker", str(port), str(i), "2"] for i in range(2)], env=WORKER_ENV)
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.multiprocess_run", "one"]], env=ENV))
@@ -69,7 +69,7 @@ def test_two_processes_of_two_devices_equal_one_process():
 @TF_ONLY
 def test_two_multiworker_mirrored_workers_in_a_custom_loop_equal_one_process():
     env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    ports = [str(processes.free_port()) for _ in range(2)]
+    ports = [str(p) for p in processes.free_ports(2)]
     workers = processes.run([["tests.multiworker_run", "worker", *ports, str(i)] for i in range(2)], env=env)
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.multiworker_run", "one"]], env=env))
@@ -79,7 +79,7 @@ def test_two_multiworker_mirrored_workers_in_a_custom_loop_equal_one_process():
 
 @TORCH_ONLY
 def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
-    port = str(processes.free_port())
+    port = str(processes.free_ports()[0])
     workers = processes.run([["tests.ddp_run", "worker", port, str(i)] for i in range(2)], env={"KERAS_BACKEND": "torch"})
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
@@ -90,7 +90,7 @@ def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
 def test_a_dead_process_fails_the_launch_at_once_and_leaves_none():
     # The worker waits for its peer in keras.distribution.initialize (JAX's
     # own timeout is minutes); the peer dies at once.
-    port = processes.free_port()
+    (port,) = processes.free_ports()
     start = time.monotonic()
     results = processes.run(
         [["tests.multiprocess_run", "worker", str(port), "0", "2"], ["tests.multiprocess_run", "die"]],

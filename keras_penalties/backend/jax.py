@@ -303,19 +303,21 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     # (each chunk reads them so anyway): their gradients are then summed
     # over the devices in it too, and rounded to a half dtype once.
     params = [p.astype(dtype) for head in heads for p in head[1:3] if p is not None]
-    flat = rows + [head[0] for head in heads] + params
+    rowwise = rows + [head[0] for head in heads]
     sharded, whole = PartitionSpec(axis), PartitionSpec()
-    specs = (sharded,) * (len(rows) + len(heads)) + (whole,) * (len(flat) - len(rows) - len(heads))
+    specs = (sharded,) * len(rowwise) + (whole,) * len(params) + (sharded,)
 
     def local(*args):
-        *flat, local_weights = args
-        local_rows, hidden, params = flat[: len(rows)], flat[len(rows) : len(rows) + len(heads)], iter(flat[len(rows) + len(heads) :])
-        local_heads = [[h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)]
+        local_rows, hidden = args[: len(rows)], args[len(rows) : len(rowwise)]
+        params, local_weights = iter(args[len(rowwise) : -1]), args[-1]
+        local_heads = [
+            [h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)
+        ]
         # Each device's partial sum, one entry of a sharded vector: summed
         # outside, so that no collective runs inside the loop.
         return _chunked_sum(fn, local_rows, local_heads, local_weights, chunk_size, dtype)[None]
 
-    partial = _shard_map(local, mesh, specs + (sharded,), sharded)(*flat, weights)
+    partial = _shard_map(local, mesh, specs, sharded)(*rowwise, *params, weights)
     return jnp.sum(partial)
 
 
@@ -329,7 +331,7 @@ def _data_parallel(chunks):
         return None
     mesh, axis = distribution.device_mesh, distribution.batch_dim_name
     devices = dict(zip(mesh.axis_names, mesh.shape))[axis]
-    if devices == 1 or chunks % devices:
+    if devices == 1 or not isinstance(chunks, int) or chunks % devices:
         return None
     return mesh.backend_mesh, axis
 

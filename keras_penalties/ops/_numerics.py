@@ -427,7 +427,7 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
     O(rows × classes), and the backward pass recomputes nothing. A scan,
     not a Python loop: XLA keeps every slice of an unrolled loop alive. The row count may be known only at run time;
     rows short of a whole chunk are padded with ones (finite as logits and
-    as probabilities; label 0) and dropped.
+    as probabilities; label 0) and dropped (`padded_rows`).
     """
     extra = {} if labels is None else {"labels": labels}
     if chunk_size is None:
@@ -440,16 +440,10 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
     rows = [ops.reshape(t, (-1, classes)) for t in tensors]
     n = ops.shape(rows[0])[0]
     chunk_size = chunk_rows(chunk_size, classes, n)
-    chunks = at_least_one((n + chunk_size - 1) // chunk_size)
-    pad = chunks * chunk_size - n
-    if not isinstance(pad, int) or pad:
-        rows = [ops.concatenate([r, ops.ones((pad, classes), r.dtype)], axis=0) for r in rows]
-    rows = [ops.reshape(r, (chunks, chunk_size, classes)) for r in rows]
+    rows = [ops.reshape(padded_rows(r, n, chunk_size, 1), (-1, chunk_size, classes)) for r in rows]
     if labels is not None:
-        flat = ops.reshape(labels, (-1,))
-        if not isinstance(pad, int) or pad:
-            flat = ops.concatenate([flat, ops.zeros((pad,), flat.dtype)], axis=0)
-        rows.append(ops.reshape(flat, (chunks, chunk_size)))
+        flat = padded_rows(ops.reshape(labels, (-1,)), n, chunk_size, 0)
+        rows.append(ops.reshape(flat, (-1, chunk_size)))
 
     def chunk_values(chunk):
         if labels is None:
@@ -458,4 +452,39 @@ def per_sample(values_fn, tensors, axis, compute, chunk_size=None, labels=None):
         return values_fn(*[ops.cast(t, compute) for t in chunk], axis=-1, labels=chunk_labels)
 
     values = ops.reshape(backend.map_chunks(chunk_values, tuple(rows), compute), (-1,))
-    return ops.reshape(values[:n], shape[:-1])
+    return ops.reshape(unpadded_rows(values, n, chunk_size), shape[:-1])
+
+
+def _row_blocks(n):
+    """How many blocks `n` rows are padded in: the devices they are split
+    over (`backend.row_shards`) where each holds n / devices of them, else
+    1."""
+    shards = backend.row_shards()
+    return shards if shards > 1 and isinstance(n, int) and n % shards == 0 else 1
+
+
+def padded_rows(x, n, chunk_size, value):
+    """`x` ([n, ...]) padded with `value` to whole chunks of `chunk_size`
+    rows: at its end, or where the rows are split over devices, at the end
+    of each device's rows, so that every device's chunks are its own rows
+    (`backend.map_chunks`, `backend.chunked_sum`). `n` may be known only at
+    run time."""
+    blocks = _row_blocks(n)
+    local = n // blocks
+    pad = at_least_one((local + chunk_size - 1) // chunk_size) * chunk_size - local
+    if isinstance(pad, int) and not pad:
+        return x
+    rest = tuple(ops.shape(x)[1:])
+    if blocks == 1:
+        return ops.concatenate([x, ops.full((pad,) + rest, value, x.dtype)], axis=0)
+    x = ops.reshape(x, (blocks, local) + rest)
+    x = ops.concatenate([x, ops.full((blocks, pad) + rest, value, x.dtype)], axis=1)
+    return ops.reshape(x, (blocks * (local + pad),) + rest)
+
+
+def unpadded_rows(values, n, chunk_size):
+    """The `n` values of the rows `padded_rows` padded, in their order."""
+    blocks = _row_blocks(n)
+    if blocks == 1:
+        return values[:n]
+    return ops.reshape(ops.reshape(values, (blocks, -1))[:, : n // blocks], (n,))

@@ -42,8 +42,9 @@ def kept_divisor(count):
     replicas = backend.replicas_in_sync()
     if not scope or replicas == 1:
         return at_least_one(count)
-    (total,) = backend.sum_over_replicas([ops.convert_to_tensor(count)], keep_losses_of=scope[0])
-    return ops.maximum(total, ops.ones_like(total)) / float(replicas)
+    # float32: a count of rows is an int (a shape), which TF divides by no float.
+    (total,) = backend.sum_over_replicas([ops.cast(count, "float32")], keep_losses_of=scope[0])
+    return ops.maximum(total, 1.0) / float(replicas)
 
 
 def count(x, axis=None):

@@ -182,16 +182,10 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
     classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
     chunk_size = num.chunk_rows(chunk_size, classes, n, heads=True)
     weights = _row_weights(mask, weights, reduction, n, compute)
-    chunks = reductions.at_least_one((n + chunk_size - 1) // chunk_size)
-    pad = chunks * chunk_size - n
-    if not isinstance(pad, int) or pad:
-        # Padding rows weigh 0: zero hidden states give the bias as logits,
-        # zero logits and label 0 are as finite, and none adds to the total.
-        def padded(r):
-            return ops.concatenate([r, ops.zeros((pad,) + tuple(ops.shape(r)[1:]), r.dtype)], axis=0)
-
-        rows = [padded(r) for r in rows]
-        for head in heads:
-            head[0] = padded(head[0])
-        weights = ops.concatenate([weights, ops.zeros((pad,), compute)], axis=0)
+    # Padding rows weigh 0: zero hidden states give the bias as logits, zero
+    # logits and label 0 are as finite, and none adds to the total.
+    rows = [num.padded_rows(r, n, chunk_size, 0) for r in rows]
+    for head in heads:
+        head[0] = num.padded_rows(head[0], n, chunk_size, 0)
+    weights = num.padded_rows(weights, n, chunk_size, 0)
     return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
