@@ -80,9 +80,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
             held constant, so the gradient is Σ wᵢ·∇termᵢ with the effective
             weights wᵢ = cᵢzᵢ/Dᵢ (they sum to 1; the weight reported). At
             each training step ξ first takes its Adam step on the change of
-            the log-losses since the previous step. Not under a
-            tf.distribute strategy with several replicas (a `ValueError`:
-            see the README).
+            the log-losses since the previous step.
         weighting_learning_rate_multiplier: with `weighting="uncertainty"`,
             a number > 0 that scales the gradients of the sᵢ (default 1), so
             they can move faster than the model's weights under SGD-like
@@ -215,18 +213,10 @@ class CompositeObjective(Composite, keras.layers.Layer):
             self._kept.running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
         return inputs
 
-    def _check_famo_across_replicas(self):
-        # Keras' TF trainer keeps one loss list per layer for all the replicas
-        # of a tf.distribute step, which take turns at each cross-replica sum:
-        # a sum inside the forward pass lets one replica's add_loss losses be
-        # counted by another (or cleared), whichever layer added them.
-        raise ValueError(
-            f"{self.name}: weighting='famo' on a CompositeObjective cannot run with the "
-            f"{backend.replicas_in_sync()} replicas of a tf.distribute strategy: FAMO needs the whole batch's term "
-            "values inside the forward pass, and a cross-replica sum there makes Keras' TensorFlow trainer count "
-            "one replica's add_loss losses in another's. Use a CompositeLoss with weighting='famo', JAX's "
-            "keras.distribution, or one device."
-        )
+    def _model_across_replicas(self):
+        """The model whose forward pass this call is part of (whose add_loss
+        lists a cross-replica sum must keep)."""
+        return _keras_internals.calling_layer()
 
     def compute_output_spec(self, inputs: Any, training: bool | None = None) -> Any:
         # Check what each term reads now, when the model is built.
@@ -427,8 +417,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
             (see `CompositeObjective`).
         famo_learning_rate, famo_gamma: with `weighting="famo"` (see
             `CompositeObjective`; FAMO's logits move at `fit`'s training
-            steps only, not in `evaluate`). Under a tf.distribute strategy
-            it runs in a model without add_loss losses only.
+            steps only, not in `evaluate`).
         name, dtype: as for any `keras.losses.Loss`.
 
     Example:
@@ -532,26 +521,12 @@ class CompositeLoss(Composite, keras.losses.Loss):
 
     def _model_across_replicas(self):
         """Under several tf.distribute replicas, the model computing this loss
-        (whose add_loss lists a cross-replica sum must keep); else None."""
+        (whose add_loss lists a cross-replica sum must keep: Keras reads them
+        after the loss); else None."""
         if backend.replicas_in_sync() == 1:
             return None
         model = _keras_internals.calling_model(_computes(self))
         return model if model is not None else next((m for m in (r() for r in self._attached) if m is not None), None)
-
-    def _check_famo_across_replicas(self):
-        # The loss is computed before Keras reads the model's add_loss
-        # losses; while this replica waits at the cross-replica sum, the next
-        # one's forward pass replaces them (Keras' TF trainer keeps one loss
-        # list per layer for all replicas). Safe only when there are none.
-        model = _keras_internals.calling_model(_computes(self))
-        if model is not None and _keras_internals.added_losses(model):
-            raise ValueError(
-                f"{self.name}: weighting='famo' cannot run with the {backend.replicas_in_sync()} replicas of a "
-                f"tf.distribute strategy in a model with add_loss losses ({model.name} has activity regularizers, "
-                "a CompositeObjective or add_loss calls): FAMO sums the term values over the replicas, and while "
-                "one replica waits for that sum Keras' TensorFlow trainer lets the next replace its add_loss "
-                "losses. Use JAX's keras.distribution, or one device."
-            )
 
     def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
         return self(y_true, y_pred)

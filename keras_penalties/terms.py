@@ -908,13 +908,21 @@ class Composite:
         """FAMO's total Σ cᵢzᵢ·log Dᵢ over the enabled terms for this step's
         unweighted `values` (Dᵢ = max(Lᵢ, 0) + ε: Lᵢ,min is 0); with `update`
         (once per training step) the logits first move by the change of the
-        log-losses since the previous training step, and the state advances."""
+        log-losses since the previous training step, and the state advances.
+        Under several tf.distribute replicas its cross-replica sum and its
+        state's assignments switch replica threads: the model's add_loss
+        lists are kept as they were around them."""
+        if backend.replicas_in_sync() == 1:
+            return self._famo_total(values, update)
+        with _keras_internals.added_losses_kept(self._model_across_replicas()):
+            return self._famo_total(values, update)
+
+    def _famo_total(self, values, update):
         state = self._weight_owner()
         frozen = ops.stop_gradient(values)
         values_in_sync = frozen
         replicas = backend.replicas_in_sync()
         if replicas > 1:
-            self._check_famo_across_replicas()
             # Each replica's values have the whole batch's as their mean.
             (values_in_sync,) = backend.sum_over_replicas([values_in_sync])
             values_in_sync = values_in_sync / float(replicas)
@@ -941,9 +949,11 @@ class Composite:
         own = values - frozen
         return ops.sum((coefficients * log_losses + weights * own) * self.term_enabled.value)
 
-    def _check_famo_across_replicas(self):
-        """Raises where FAMO cannot run with the replicas of a tf.distribute
-        step (the composites say where)."""
+    def _model_across_replicas(self):
+        """The model whose add_loss lists a cross-replica sum must keep as
+        they were (see `backend.sum_over_replicas`); the composites say
+        which."""
+        return None
 
     def _weight_owner(self):
         """Where the weight variables live: the composite (a method, not a
