@@ -21,7 +21,7 @@ import sys
 from tests.two_devices import before_keras
 
 if __name__ == "__main__":
-    before_keras()
+    before_keras(devices=int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 import keras  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -100,17 +100,19 @@ def relative(a, b):
 
 
 def _distribution(setup):
-    """Keras' distribution on the two devices, and where each argument goes:
-    data-parallel, rows on the batch axis and kernels replicated;
-    vocabulary-parallel (a (1, 2) mesh), kernels sharded on their
-    vocabulary axis ([H, V] on axis 1, a tied [V, H] and a bias on axis 0)."""
+    """Keras' distribution, and where each argument goes: data-parallel,
+    rows on the batch axis and kernels replicated; vocabulary-parallel (a
+    (1, 2) mesh), kernels split on their vocabulary axis ([H, V] on axis
+    1, a tied [V, H] and a bias on axis 0); both (a (2, 2) mesh of four
+    devices), rows on the batch axis and kernels on the model axis."""
     from jax.sharding import PartitionSpec as Spec
 
     devices = keras.distribution.list_devices()
     if setup == "data_parallel":
         distribution = keras.distribution.DataParallel(devices=devices)
         return distribution, lambda a: Spec("batch") if a.shape[0] == BATCH else Spec()
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    shape = (2, 2) if setup == "batch_and_vocabulary_parallel" else (1, 2)
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
     distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch")
 
     def spec(a):
@@ -151,14 +153,17 @@ def run_case(setup, fn, args, constants):
 HEADS = ("cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads")
 
 
-def main():
+def main(devices="2"):
     import jax
 
-    assert len(jax.devices()) == 2, jax.devices()
-    report = {f"data_parallel/{name}": run_case("data_parallel", *case) for name, case in CASES.items()}
-    report.update({f"vocabulary_parallel/{name}": run_case("vocabulary_parallel", *CASES[name]) for name in HEADS})
+    assert len(jax.devices()) == int(devices), jax.devices()
+    if devices == "4":
+        report = {f"batch_and_vocabulary_parallel/{name}": run_case("batch_and_vocabulary_parallel", *CASES[name]) for name in HEADS}
+    else:
+        report = {f"data_parallel/{name}": run_case("data_parallel", *case) for name, case in CASES.items()}
+        report.update({f"vocabulary_parallel/{name}": run_case("vocabulary_parallel", *CASES[name]) for name in HEADS})
     print(json.dumps(report))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))

@@ -8,8 +8,8 @@ device's temporaries are at most one device's at the same `chunk_size`
 (beyond its partial sums of a replicated kernel's gradient, before their
 all-reduce). Vocabulary-parallel (a head kernel split on V by
 `ModelParallel`, [H, V] and a tied [V, H]): the kernel's gradient stays
-split, and only per-row statistics cross devices. Values and gradients
-equal one device's.
+split, and only per-row statistics cross devices. Both at once on a (2, 2)
+mesh of four devices. Values and gradients equal one device's.
 """
 
 import json
@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.sharding_run import CHUNK, HIDDEN
+from tests.sharding_run import CHUNK, HIDDEN, VOCAB
 from tests.testing import BACKEND
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,14 +29,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = 64
 
 
-@pytest.fixture(scope="module")
-def report():
+def _run(devices):
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.sharding_run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.sharding_run", str(devices)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _run(2)
+
+
+@pytest.fixture(scope="module")
+def report_four():
+    return _run(4)
 
 
 JAX_ONLY = pytest.mark.skipif(
@@ -74,3 +84,17 @@ def test_vocabulary_parallel_heads_keep_the_kernel_gradient_sharded(report, case
     assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found["grad_shardings"]
     # Inside the loop only per-row statistics cross devices ([chunk] or [chunk, H]): nothing [chunk, V] or kernel-sized.
     assert _large(found, CHUNK * HIDDEN) == [], found["collectives"]
+
+
+@JAX_ONLY
+@pytest.mark.parametrize("case", ["cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads"])
+def test_batch_and_vocabulary_parallel_heads_split_both(report_four, case):
+    # A (2, 2) mesh: rows on the batch axis, the kernel on the model axis.
+    found = report_four[f"batch_and_vocabulary_parallel/{case}"]
+    assert found["rel"] <= 1e-5
+    assert found["grad_shardings"][0] == "P('batch',)"
+    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found["grad_shardings"]
+    # Per-row statistics, and the kernel's gradient shard summed over the batch axis once.
+    assert len(_large(found, CHUNK * HIDDEN)) <= 1, found["collectives"]
+    assert all(np.prod(s) <= HIDDEN * VOCAB // 2 for _, shapes in found["collectives"] for s in shapes), found["collectives"]
+    assert found["temp_two"] <= found["temp_one"] + found["replicated_grad_bytes"], found

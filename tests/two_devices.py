@@ -20,12 +20,12 @@ def regression_data(rng, targets):
     return rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, targets)).astype("float32")
 
 
-def before_keras():
-    """JAX: two virtual host devices (`XLA_FLAGS`, read when JAX starts).
-    Every backend: torch imported before TensorFlow (the other order
-    crashes here)."""
+def before_keras(devices=2):
+    """JAX: `devices` virtual host devices (`XLA_FLAGS`, read when JAX
+    starts). Every backend: torch imported before TensorFlow (the other
+    order crashes here)."""
     if BACKEND == "jax":
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -126,7 +126,7 @@ def map_chunks(fn, chunks, dtype):
         return _map_chunks(fn, chunks, dtype)
     mesh, axis = split
     spec = PartitionSpec(axis)
-    return _shard_map(lambda *c: _map_chunks(fn, c, dtype), mesh, (spec,) * len(chunks), spec)(*chunks)
+    return _shard_map(lambda *c: _map_chunks(fn, c, dtype), mesh, (spec,) * len(chunks), spec, axis)(*chunks)
 
 
 def _map_chunks(fn, chunks, dtype):
@@ -317,44 +317,45 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         # outside, so that no collective runs inside the loop.
         return _chunked_sum(fn, local_rows, local_heads, local_weights, chunk_size, dtype)[None]
 
-    partial = _shard_map(local, mesh, specs, sharded)(*rowwise, *params, weights)
+    partial = _shard_map(local, mesh, specs, sharded, axis)(*rowwise, *params, weights)
     return jnp.sum(partial)
 
 
 def _data_parallel(chunks):
-    """`(mesh, batch axis name)` where Keras' distribution is a
-    `DataParallel` over n > 1 devices (every variable replicated, the batch
-    split on its first axis) and the `chunks` split evenly among them, else
-    None."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
-        return None
-    mesh, axis = distribution.device_mesh, distribution.batch_dim_name
-    devices = dict(zip(mesh.axis_names, mesh.shape))[axis]
+    """`(mesh, batch axis name)` where Keras' distribution (`DataParallel`,
+    or `ModelParallel`) splits the batch over n > 1 devices and the
+    `chunks` split evenly among them, else None."""
+    devices = row_shards()
     if devices == 1 or not isinstance(chunks, int) or chunks % devices:
         return None
-    return mesh.backend_mesh, axis
+    distribution = keras.distribution.distribution()
+    return distribution.device_mesh.backend_mesh, distribution.batch_dim_name
 
 
 def row_shards():
-    """As `_common.row_shards`: the devices of Keras' `DataParallel`."""
+    """As `_common.row_shards`: the devices on the batch axis of Keras'
+    distribution (`DataParallel`, `ModelParallel`)."""
     distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.DataParallel):
+    if not isinstance(distribution, (keras.distribution.DataParallel, keras.distribution.ModelParallel)):
         return 1
     mesh = distribution.device_mesh
     return dict(zip(mesh.axis_names, mesh.shape))[distribution.batch_dim_name]
 
 
-def _shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map` (`jax.experimental.shard_map` before 0.7), without
-    replication checks: `fn` runs no collective, and the cotangents of
-    unsharded inputs (a replicated kernel) are summed over the devices by
-    shard_map's transpose."""
+def _shard_map(fn, mesh, in_specs, out_specs, axis):
+    """`jax.shard_map` (`jax.experimental.shard_map` before 0.7) over the
+    mesh axis `axis` alone, without replication checks: `fn` runs no
+    collective over it, the cotangents of inputs not split on it (a kernel)
+    are summed over its devices by shard_map's transpose, and the other
+    axes stay XLA's (a kernel split on its vocabulary axis by
+    `ModelParallel` stays split inside)."""
+    manual = frozenset({axis})
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
     from jax.experimental.shard_map import shard_map
 
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    auto = frozenset(mesh.axis_names) - manual
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False, auto=auto)
 
 
 def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
