@@ -210,7 +210,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         backend.add_to_row(self.value_sums, row, values)
         backend.add_to_row(self.value_counts, row, 1.0)
         if not _capture.active(self):  # a probe's pass changes nothing
-            self._kept.running = backend.keep_for_metrics((self.value_sums.value, self.value_counts.value))
+            self._kept.running = backend.keep_for_metrics((self.value_sums, self.value_counts))
         return inputs
 
     def _model_across_replicas(self):

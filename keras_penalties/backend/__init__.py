@@ -68,7 +68,7 @@ organises `keras/src/backend/`:
 - `unit_clip(grads, weights, clip_factor, eps)`: adaptive gradient
   clipping of each gradient by its variable's unit norms (plain torch ops
   on torch).
-- `keep_for_metrics(values)`, `kept_for_metrics(kept, variables)`: a
+- `keep_for_metrics(variables)`, `kept_for_metrics(kept, variables)`: a
   composite's running state as its forward pass left it, for the same
   step's metrics where they cannot read the variables (JAX's `fit` reads
   metrics in a scope of their own: the forward pass's tracers, kept with

@@ -146,10 +146,10 @@ def is_half(dtype):
     return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
 
 
-def keep_for_metrics(values):
-    """What `kept_for_metrics` needs to find the tensors `values`, computed
-    in a forward pass, when the same step reads its metrics; None where a
-    step's metrics read the variables themselves (TF, torch)."""
+def keep_for_metrics(variables):
+    """What `kept_for_metrics` needs to find the values of `variables` as a
+    forward pass left them, when the same step reads its metrics; None
+    where a step's metrics read the variables themselves (TF, torch)."""
     return None
 
 

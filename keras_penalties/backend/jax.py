@@ -42,18 +42,19 @@ SHARES_SOFTMAX = False
 CHUNK_ELEMENTS = 16 * 2**20
 HEAD_CHUNK_ELEMENTS = 8 * 2**20
 
-def keep_for_metrics(values):
+def keep_for_metrics(variables):
     """As `_common.keep_for_metrics`: JAX's `fit` reads a step's metrics in
     a `StatelessScope` of the metric variables alone, after the forward
     pass's scope has closed, so a variable the forward pass assigned reads
     there its value from before the step (or none: the trainer frees it).
     In the forward pass of a training or test step (a scope that collects
-    losses), `values` with their gradient stopped: inside `value_and_grad`
-    they are then tracers of the step's own trace. Else None."""
+    losses), the variables' values with their gradient stopped: inside
+    `value_and_grad` they are then tracers of the step's own trace. Else
+    None."""
     scope = _keras_internals.stateless_scope()
     if scope is None or not scope.collect_losses:
         return None
-    return tuple(jax.lax.stop_gradient(v) for v in values)
+    return tuple(jax.lax.stop_gradient(v.value) for v in variables)
 
 
 def kept_for_metrics(kept, variables):
