@@ -1,6 +1,8 @@
 """Models using the regularizers and losses save to .keras and load back under safe_mode=True."""
 
+import importlib.util
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -11,6 +13,8 @@ import pytest
 from keras_penalties import losses as L
 from keras_penalties import regularizers as R
 from tests.testing import save_and_load, to_numpy
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
 
 
 def _model():
@@ -167,3 +171,43 @@ def test_composite_loss_terms_are_reported_after_a_reload(tmp_path):
     # Outputs are 3 everywhere: mse 9, entropy of two equal logits ln 2.
     np.testing.assert_allclose(history["closs/mse"], [9.0], rtol=1e-6)
     np.testing.assert_allclose(history["closs/ent"], [np.log(2)], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- files saved by a release
+
+
+def _release_model_module():
+    spec = importlib.util.spec_from_file_location("save_release_model", DATA / "save_release_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("saved_on", ["jax", "tensorflow", "torch"])
+def test_files_saved_by_0_1_0_load(saved_on):
+    # Saved by release 0.1.0's code (tests/data/save_release_model.py says how),
+    # on each backend: the composites, the regularizers, ProximalDecay and
+    # FAMO's state come back, and the model computes what the same model
+    # built by today's code computes with the file's weights.
+    import keras_penalties as kp
+
+    release = _release_model_module()
+    loaded = keras.saving.load_model(DATA / f"release_0.1.0_{saved_on}.keras")
+    fresh = release.build_model()
+    for layer in fresh.layers:
+        layer.set_weights(loaded.get_layer(layer.name).get_weights())
+    x, y = release.data()
+
+    assert type(loaded.get_layer("act")) is kp.CompositeObjective
+    assert type(loaded.loss) is L.CompositeLoss
+    assert loaded.get_layer("act").get_config() == fresh.get_layer("act").get_config()
+    assert loaded.loss.get_config() == fresh.loss.get_config()
+    assert loaded.optimizer.get_config()["regularizer"] == fresh.optimizer.get_config()["regularizer"]
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), fresh.predict(x, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose([to_numpy(v) for v in loaded.losses], [to_numpy(v) for v in fresh.losses], rtol=1e-6)
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), fresh.evaluate(x, y, verbose=0), rtol=1e-6)
+    # What training learned was saved and comes back: the uncertainty
+    # weighting's log-variances, FAMO's weights (equal at the start).
+    assert np.abs(to_numpy(loaded.get_layer("act").log_variances)).max() > 0
+    famo = to_numpy(loaded.loss.effective_weights())
+    assert np.abs(famo - famo.mean()).max() > 1e-3, famo
