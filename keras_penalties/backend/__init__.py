@@ -1,8 +1,10 @@
 """The one place with backend-specific code.
 
-One module per Keras backend (`jax`, `tensorflow`, `torch`), each defining
-the same functions, chosen once when keras_penalties is imported, as Keras
-organises `keras/src/backend/`:
+One module per Keras backend (`jax`, `tensorflow`, `torch`), chosen once
+when keras_penalties is imported, as Keras organises `keras/src/backend/`.
+Each name below is the chosen module's, or `_common`'s where that module
+defines none (`_common` holds what the backends share; `_NAMES` lists the
+names, and importing fails if one is defined by neither):
 
 - `gradients(fn, tensors)`: gradients of the scalar `fn(*tensors)` w.r.t.
   each tensor, kept differentiable (double backprop).
@@ -86,82 +88,67 @@ organises `keras/src/backend/`:
   themselves everywhere else.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
-- `outside_distribution(fn)`: runs `fn()` as on one device, where Keras
-  would otherwise scale losses for a distribution strategy.
+- `outside_distribution(fn)`: `fn()` run on the package's one host thread
+  (its result returned, its exception raised), where no `tf.distribute`
+  strategy, Keras distribution or dtype policy set in another thread is
+  in effect: values are whole, as on one device, and losses unscaled
+  (the probe on TF, GradNorm's optimizer step on every backend).
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 import keras
+
+from keras_penalties.backend import _common
+
+# The contract: the names documented above, in that order.
+_NAMES = (
+    "gradients",
+    "parameter_probe",
+    "softmax_pair",
+    "js_rows",
+    "pick_labels",
+    "label_cross_entropy",
+    "smallest_normal",
+    "map_chunks",
+    "chunked_sum",
+    "SHARES_SOFTMAX",
+    "CHUNK_ELEMENTS",
+    "HEAD_CHUNK_ELEMENTS",
+    "project",
+    "sum_of_squares",
+    "sum_abs",
+    "as_tensor",
+    "stack",
+    "add_to_row",
+    "increment",
+    "reduce_sum",
+    "divide_by_count",
+    "proximal_step",
+    "unit_clip",
+    "keep_for_metrics",
+    "kept_for_metrics",
+    "row_shards",
+    "replicas_in_sync",
+    "sum_over_replicas",
+    "loss_replicas",
+    "outside_distribution",
+)
 
 _BACKEND = keras.backend.backend()
 if _BACKEND not in ("jax", "tensorflow", "torch"):
     raise ImportError(
-        f"keras_penalties supports the jax, tensorflow and torch backends; "
-        f"the current Keras backend is {_BACKEND!r}."
+        f"keras_penalties supports the jax, tensorflow and torch backends; the current Keras backend is {_BACKEND!r}."
     )
 _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
 
-gradients = _module.gradients
-parameter_probe = _module.parameter_probe
-replicas_in_sync = _module.replicas_in_sync
-row_shards = _module.row_shards
-keep_for_metrics = _module.keep_for_metrics
-kept_for_metrics = _module.kept_for_metrics
-softmax_pair = _module.softmax_pair
-js_rows = _module.js_rows
-smallest_normal = _module.smallest_normal
-pick_labels = _module.pick_labels
-label_cross_entropy = _module.label_cross_entropy
-sum_of_squares = _module.sum_of_squares
-sum_abs = _module.sum_abs
-stack = _module.stack
-as_tensor = _module.as_tensor
-proximal_step = _module.proximal_step
-add_to_row = _module.add_to_row
-increment = _module.increment
-reduce_sum = _module.reduce_sum
-divide_by_count = _module.divide_by_count
-unit_clip = _module.unit_clip
-map_chunks = _module.map_chunks
-chunked_sum = _module.chunked_sum
-project = _module.project
-sum_over_replicas = _module.sum_over_replicas
-loss_replicas = _module.loss_replicas
-outside_distribution = _module.outside_distribution
-CHUNK_ELEMENTS = _module.CHUNK_ELEMENTS
-SHARES_SOFTMAX = _module.SHARES_SOFTMAX
-HEAD_CHUNK_ELEMENTS = _module.HEAD_CHUNK_ELEMENTS
+_missing = [name for name in _NAMES if not hasattr(_module, name) and not hasattr(_common, name)]
+if _missing:
+    raise ImportError(f"neither keras_penalties.backend.{_BACKEND} nor backend._common defines {', '.join(_missing)}")
+globals().update({name: getattr(_module if hasattr(_module, name) else _common, name) for name in _NAMES})
+__all__ = list(_NAMES)
 
-__all__ = [
-    "CHUNK_ELEMENTS",
-    "HEAD_CHUNK_ELEMENTS",
-    "SHARES_SOFTMAX",
-    "add_to_row",
-    "as_tensor",
-    "chunked_sum",
-    "divide_by_count",
-    "gradients",
-    "increment",
-    "js_rows",
-    "keep_for_metrics",
-    "kept_for_metrics",
-    "label_cross_entropy",
-    "loss_replicas",
-    "map_chunks",
-    "outside_distribution",
-    "parameter_probe",
-    "pick_labels",
-    "project",
-    "proximal_step",
-    "reduce_sum",
-    "replicas_in_sync",
-    "row_shards",
-    "smallest_normal",
-    "softmax_pair",
-    "stack",
-    "sum_abs",
-    "sum_of_squares",
-    "sum_over_replicas",
-    "unit_clip",
-]
+if TYPE_CHECKING:
+    # For type checkers, which cannot see the names set above: each is Any.
+    def __getattr__(name: str) -> Any: ...

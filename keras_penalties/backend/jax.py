@@ -10,37 +10,16 @@ from jax.sharding import PartitionSpec
 from keras import ops
 
 from keras_penalties import _keras_internals
-from keras_penalties.backend._common import (  # noqa: F401
-    add_to_row,
-    as_tensor,
-    divide_by_count,
-    increment,
-    js_rows,
-    label_cross_entropy,
-    loss_replicas,
-    norm,
-    outside_distribution,
-    proximal_step,
-    reduce_sum,
-    replicas_in_sync,
-    smallest_normal,
-    softmax_pair,
-    stack,
-    sum_abs,
-    sum_of_squares,
-    sum_over_replicas,
-    unit_clip,
-)
+from keras_penalties.backend._common import norm
 
 # XLA merges an objective's repeated log-softmaxes itself (num.sharing).
 SHARES_SOFTMAX = False
 
-# chunk_size="auto" (bench/results/README.md): 512 rows of a 32000
-# vocabulary and 128 of 128256 were the fastest chunks of logits measured
-# here (512 rows of 128256 made entropy twice as slow); 64 rows of 128256
-# the fastest from hidden states.
+# chunk_size="auto": the budgets that were fastest on the benchmark machine,
+# of formed logits and from hidden states (bench/results/README.md).
 CHUNK_ELEMENTS = 16 * 2**20
 HEAD_CHUNK_ELEMENTS = 8 * 2**20
+
 
 def keep_for_metrics(variables):
     """As `_common.keep_for_metrics`: JAX's `fit` reads a step's metrics in
@@ -139,9 +118,9 @@ def _map_chunks(fn, chunks, dtype):
     exactly that) for the inputs JAX differentiates (`symbolic_zeros`: a
     frozen teacher's rows cost nothing); the backward pass only scales
     those rows by the upstream gradient, as on TF and torch. Without
-    differentiation it is a plain `lax.map`. The first version,
-    `ops.map(keras.remat(fn))`, ran every chunk's forward pass again in
-    the backward pass (bench/results/README.md). First order only.
+    differentiation it is a plain `lax.map`. Not `ops.map(keras.remat(fn))`,
+    which runs every chunk's forward pass again in the backward pass. First
+    order only.
     """
     dtypes = [c.dtype for c in chunks]
 
@@ -180,8 +159,7 @@ def _map_chunks(fn, chunks, dtype):
 def _scale_rows(grads, upstream):
     """grads[i] *= upstream[i] chunk by chunk, in the kept buffer: a loop
     that updates its carry in place. A plain `grads * upstream[..., None]`
-    made XLA write a second buffer the size of the gradient (masked KL on
-    [8192, 32000]: 1.25 GB of temporaries against 0.31 GB)."""
+    makes XLA write a second buffer the size of the gradient."""
 
     def step(i, g):
         return jax.lax.dynamic_update_index_in_dim(g, g[i] * upstream[i][..., None].astype(g.dtype), i, 0)
@@ -258,10 +236,8 @@ def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
     a time (a loop: each block's product is added, in place, before the
     next is formed), each block about the size of the chunk's logits.
 
-    XLA:CPU fuses no dot with an add: the whole [H, V] product was a
-    temporary beside the sum (cross-entropy from hidden states on
-    [2048 × 256 → 128256], 64-row chunks: 157 MB of temporaries, 125 MB of
-    them the product). A [H, V] kernel's blocks are rows of H (slices of
+    XLA:CPU fuses no dot with an add: the whole [H, V] product would be a
+    temporary beside the sum. A [H, V] kernel's blocks are rows of H (slices of
     the chunk's hidden columns), a [V, H] one's rows of V (slices of the
     logits' gradient columns)."""
     rows, features = hidden.shape
@@ -430,7 +406,8 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 logits, [chunk_rows[i] for i in row_wanted]
             )
             kernel_grads = [
-                g if g is None else _add_kernel_grad(g, hidden[j], dlogits[j], transposed[j]) for j, g in enumerate(kernel_grads)
+                g if g is None else _add_kernel_grad(g, hidden[j], dlogits[j], transposed[j])
+                for j, g in enumerate(kernel_grads)
             ]
             bias_grads = [g if g is None else g + jnp.sum(dlogits[j], axis=0) for j, g in enumerate(bias_grads)]
             hidden_grads = [
@@ -445,7 +422,9 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             [jnp.zeros_like(params[j][0]) if wanted[j][1] else None for j in range(len(heads))],
             [jnp.zeros_like(params[j][1]) if wanted[j][2] else None for j in range(len(heads))],
         )
-        (value, kernel_grads, bias_grads), (row_grads, hidden_grads) = jax.lax.scan(step, start, inputs(rows, heads, weights.value))
+        (value, kernel_grads, bias_grads), (row_grads, hidden_grads) = jax.lax.scan(
+            step, start, inputs(rows, heads, weights.value)
+        )
         kept_rows = [None] * len(rows)
         for i, g in zip(row_wanted, row_grads):
             kept_rows[i] = g.reshape(rows[i].shape)

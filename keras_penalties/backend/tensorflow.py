@@ -6,7 +6,6 @@ replicas before it sums their gradients; its own `Loss` objects divide their
 means by it wherever a strategy is in scope.
 """
 
-import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -15,28 +14,16 @@ import tensorflow as tf
 from keras import ops
 
 from keras_penalties import _keras_internals
-from keras_penalties.backend._common import (  # noqa: F401
-    add_to_row, as_tensor, divide_by_count, increment, js_rows, keep_for_metrics, kept_for_metrics, norm,
-    pick_labels, proximal_step, reduce_sum, row_shards, smallest_normal, stack, sum_abs, sum_of_squares, unit_clip,
-)
+from keras_penalties.backend._common import norm, outside_distribution
 
 # TF's graph optimizer (common subgraph elimination) can merge an
 # objective's repeated log-softmaxes, and a GradientTape inside a term
 # would not see one formed before it (num.sharing).
 SHARES_SOFTMAX = False
 
-# chunk_size="auto" (bench/results/README.md): about 1 M elements of logits
-# per chunk, 32 rows of a 32000 vocabulary and 8 of 128256, were the
-# fastest on the benchmark machine (masked KL reverse value+grad on
-# [8192, 32000]: 683 ms, 128 rows 927 ms, raw TF 953 ms; on
-# [4096, 128256], 8 rows 1.30 s, 32 rows 1.81 s, raw TF 1.86 s): chunks
-# that stay in cache; 128 rows of 128256 beat 256 from hidden states.
-# Re-measured on a slower machine (issue 25, second round), the chunked
-# calls took x1.0-1.26 of raw TF at 32, 128 and 512 rows, none reliably
-# fastest: the 1 M budget stands on the one A/B above. With each chunk
-# compiled by XLA (`_compiled`, seventh round) 1 M is still the fastest:
-# KL reverse at [4096, 128256] 8 rows 1.28 s, 32 rows 1.39 s, 512 rows
-# 1.50 s; at [8192, 32000] 32 rows 0.52 s, 128 rows 0.73 s.
+# chunk_size="auto": about 1 M elements of formed logits a chunk (32 rows of
+# 32000, 8 of 128256), chunks that stay in cache, and 16 M from hidden states
+# were the fastest on the benchmark machine (bench/results/README.md).
 CHUNK_ELEMENTS = 2**20
 HEAD_CHUNK_ELEMENTS = 16 * 2**20
 
@@ -85,10 +72,8 @@ def label_cross_entropy(logits, labels, axis):
     hidden states (`chunked_sum`, first order only), TF's fused
     `sparse_softmax_cross_entropy_with_logits`, whose one op forms the
     values and the logits' gradient (softmax − one-hot) and whose gradient
-    has no second derivative; None elsewhere. Cross-entropy from hidden
-    states [2048 × 256 → 128256], 130-row chunks: 3.48 → 3.05 s, peak
-    496 → 367 MB. Not in `map_chunks`: on formed logits in the 8-row
-    chunks of "auto" it took 1.36 s against 0.77 s (the same at 128 rows)."""
+    has no second derivative; None elsewhere (on `map_chunks`' formed
+    logits it was slower than a log-softmax and a pick)."""
     if not _in_chunk.get() or axis not in (-1, len(logits.shape) - 1) or logits.dtype not in (tf.float32, tf.float64):
         return None
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
@@ -98,13 +83,9 @@ def _compiled(fn, xla):
     """`fn` compiled by XLA (`tf.function(jit_compile=True)`) when it will
     be traced into a graph that XLA does not already compile and TF sees
     only CPUs (`_compiles`); as it is eagerly, where each call would trace
-    and compile it anew. A chunk's
-    passes over its logits (softmax, logs, products, sums, and their
-    gradients) then run fused, as on JAX, instead of one TF kernel and one
-    chunk-sized buffer each: masked KL reverse value + gradient on
-    [8192, 32000] in 512-row chunks took 0.74 s against 1.17 s (raw TF
-    0.99-1.18 s), entropy 0.56 s against 0.89 s (bench/results/README.md,
-    seventh round)."""
+    and compile it anew. A chunk's passes over its logits (softmax, logs,
+    products, sums, and their gradients) then run fused, as on JAX, instead
+    of one TF kernel and one chunk-sized buffer each."""
     return tf.function(fn, jit_compile=True, autograph=False) if _compiles(xla) else fn
 
 
@@ -115,8 +96,8 @@ def _compiles(xla):
 
 @functools.cache
 def _cpu_only():
-    """Whether TF sees no device but CPUs: where compiling the chunks was
-    measured. With a GPU Keras' `fit` compiles the whole step with XLA
+    """Whether TF sees no device but CPUs, where compiling the chunks was
+    shown to pay. With a GPU Keras' `fit` compiles the whole step with XLA
     anyway; a pluggable device may have no XLA compiler at all."""
     return all(d.device_type == "CPU" for d in tf.config.list_physical_devices())
 
@@ -128,10 +109,8 @@ def map_chunks(fn, chunks, dtype):
     Not `keras.ops.map` of `keras.remat(fn)` (`tf.map_fn` of
     `tf.recompute_grad`): map_fn copies every input into a TensorArray, its
     while loop's gradient keeps each chunk it read, and a graph while loop
-    runs ten iterations at once, each holding its chunk's temporaries.
-    Value + gradient of a masked KL on [2048, 32000] logits peaked at 6× the
-    input (1.5 GB; raw TF 5×), and recomputing each chunk made it 1.3-1.9×
-    raw TF's time.
+    runs ten iterations at once, each holding its chunk's temporaries: more
+    memory than no chunking at all, and each chunk computed twice.
 
     Here one loop slices one chunk at a time and computes, with the values,
     each row's gradient of its own value (a row's value depends on that row
@@ -171,7 +150,11 @@ def map_chunks(fn, chunks, dtype):
                 with tf.GradientTape() as tape:
                     tape.watch(watched)
                     chunk_values = fn(chunk)
-                grads = tape.gradient(chunk_values, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+                grads = (
+                    tape.gradient(chunk_values, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    if watched
+                    else []
+                )
                 return chunk_values, grads
 
             body = _compiled(body, xla)
@@ -276,14 +259,14 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             def loss(logits, chunk_rows, weight):
                 # The chunk's value and its logits' (and float rows')
                 # gradient, compiled by XLA (`_compiled`); the products
-                # stay TF's (oneDNN), faster here than XLA's: cross-entropy
-                # from hidden states 3.00 s, 2.58 s with this compiled,
-                # 2.76 s with the logits' product compiled too.
+                # stay TF's (oneDNN), faster on CPU than XLA's.
                 watched = [logits[j] for j in range(len(heads)) if any(wanted[j])] + [chunk_rows[i] for i in row_wanted]
                 with tf.GradientTape() as tape, _chunk_body():
                     tape.watch(watched)
                     value = tf.reduce_sum(weight * fn(logits, chunk_rows))
-                grads = tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+                grads = (
+                    tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
+                )
                 return value, grads
 
             if xla or _compiles(xla):
@@ -295,13 +278,17 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             def step(i, total, kernel_grads, bias_grads, row_grads, hidden_grads):
                 chunk_rows = [cast(r[i]) for r in row_chunks]
                 hidden = [cast(h[i]) for h in hidden_chunks]
-                logits = [project(h, k, t) if b is None else project(h, k, t) + b for h, (k, b), t in zip(hidden, params, transposed)]
+                logits = [
+                    project(h, k, t) if b is None else project(h, k, t) + b
+                    for h, (k, b), t in zip(hidden, params, transposed)
+                ]
                 value, grads = loss(logits, chunk_rows, weights[i])
                 grads = iter(grads)
                 dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
                 row_grads = tuple(put(b, i, tf.cast(next(grads), rows[k].dtype)) for b, k in zip(row_grads, row_wanted))
                 kernel_grads = tuple(
-                    _add_kernel_grad(a, dlogits[j], hidden[j], transposed[j], xla) for a, j in zip(kernel_grads, _which(wanted, 1))
+                    _add_kernel_grad(a, dlogits[j], hidden[j], transposed[j], xla)
+                    for a, j in zip(kernel_grads, _which(wanted, 1))
                 )
                 bias_grads = tuple(a + tf.reduce_sum(dlogits[j], 0) for a, j in zip(bias_grads, _which(wanted, 2)))
                 hidden_grads = tuple(
@@ -316,7 +303,9 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 tf.zeros((), dtype),
                 # A fresh zeroed buffer per call: a tf.zeros constant would be
                 # folded into the graph, and the in-place sums would mutate it.
-                tuple(tf.raw_ops.Empty(shape=tf.shape(params[j][0]), dtype=dtype, init=True) for j in _which(wanted, 1)),
+                tuple(
+                    tf.raw_ops.Empty(shape=tf.shape(params[j][0]), dtype=dtype, init=True) for j in _which(wanted, 1)
+                ),
                 tuple(tf.zeros_like(params[j][1]) for j in _which(wanted, 2)),
                 tuple(buffer(row_chunks[k]) for k in row_wanted),
                 tuple(buffer(hidden_chunks[j]) for j in _which(wanted, 0)),
@@ -387,10 +376,7 @@ def _in_blocks(fn, rows, dtype, outputs):
     rows, taken a block of rows at a time in a while loop, each block about
     `CHUNK_ELEMENTS` of logits, as `map_chunks`' "auto". Under XLA, where
     its `TensorArray` is one buffer written in place, the temporaries are
-    then a block's, not the chunk's: KL forward from hidden states
-    [2048 × 256 → 128256] in 128-row chunks, XLA's temporaries 129 →
-    7 MB, the call's peak 602 → 512 MB, its time unchanged (`_block_rows`
-    says how many rows)."""
+    then a block's, not the chunk's (`_block_rows` says how many rows)."""
 
     def blocked(logits, chunk_rows, weight):
         size = _block_rows(rows, logits[0].shape[-1] if logits else None)
@@ -411,15 +397,16 @@ def _in_blocks(fn, rows, dtype, outputs):
             return i + 1, total + value, tuple(g.write(i, b) for g, b in zip(grads, block_grads))
 
         start = (tf.constant(0), tf.zeros((), dtype), tuple(tf.TensorArray(dtype, size=count) for _ in range(outputs)))
-        _, total, grads = tf.while_loop(lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count)
+        _, total, grads = tf.while_loop(
+            lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count
+        )
         return total, [joined(g.stack()) for g in grads]
 
     return blocked
 
 
-# Elements of the kernel's gradient formed and added in place at a time:
-# cross-entropy from hidden states [2048 × 256 → 128256], 130-row chunks,
-# blocks of 2, 4, 8, 16 and 32 M elements: 4.01, 3.77, 3.48, 3.51, 3.50 s.
+# Elements of the kernel's gradient formed and added in place at a time: the
+# smallest block as fast as larger ones (bench/results/README.md).
 _KERNEL_BLOCK_ELEMENTS = 8 * 2**20
 
 
@@ -433,14 +420,12 @@ def _add_kernel_grad(total, dlogits, hidden, transposed, xla):
     rows), a [V, H] one's rows of V (columns of the logits' gradient).
 
     One block's product at a time (a control dependency on the sum so far):
-    unordered, TF formed every block's product at once. Blocks are the
+    unordered, TF would form every block's product at once. Blocks are the
     largest divisor of the kernel's rows from the budget's rows down to
     half that (`_divisor_near`); with one, the sum is seen as one row per
     block (a reshape, the same buffer), so that each block is one
     `InplaceAdd` row (it adds row by row); with none, blocks of the
-    budget's rows are added row by row. Cross-entropy from hidden
-    states [2048 × 256 → 128256]: the first call's peak 460 → 397 MB, the
-    call 3–4.5 % faster (bench/results/README.md, round eight)."""
+    budget's rows are added row by row."""
     classes, features = dlogits.shape[1], hidden.shape[1]
 
     def product(dlogits, hidden):
@@ -498,6 +483,10 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
         return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
 
     def probe(x, y):
+        # Under a strategy, on the host thread: whole values, as one device;
+        # elsewhere here, under the caller's dtype policy and scopes.
+        if not tf.distribute.has_strategy():
+            return run(x, y)
         return outside_distribution(lambda: run(x, y))
 
     return probe
@@ -506,7 +495,7 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
 def softmax_pair(logits, axis, log_softmax=None):
     """`(exp(log p), log p)`: TF runs softmax and log_softmax as separate
     kernels, each with its own backward pass; one log_softmax and an exp is
-    cheaper (entropy value + gradient on [4096, 32000]: 2.27 s against 3.91 s)."""
+    cheaper."""
     if log_softmax is None:
         log_softmax = ops.log_softmax(logits, axis=axis)
     return ops.exp(log_softmax), log_softmax
@@ -533,14 +522,3 @@ def sum_over_replicas(tensors, keep_losses_of=None):
 
 def loss_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
-
-
-def outside_distribution(fn):
-    # A strategy's scope belongs to the thread that entered it: a fresh
-    # thread sees the default strategy, reads each mirrored variable's value
-    # and computes the whole batch as one device would, without Keras'
-    # per-replica loss scaling.
-    if not tf.distribute.has_strategy():
-        return fn()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn).result()

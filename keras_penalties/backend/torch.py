@@ -5,29 +5,16 @@ import torch
 
 from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
-from keras_penalties.backend._common import (  # noqa: F401
-    TINY,
-    keep_for_metrics,
-    kept_for_metrics,
-    label_cross_entropy,
-    loss_replicas,
-    norm,
-    outside_distribution,
-    pick_labels,
-    replicas_in_sync,
-    row_shards,
-    smallest_normal,
-    sum_over_replicas,
-)
+from keras_penalties.backend._common import TINY, norm, smallest_normal
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms
 # share those of its inputs (num.sharing). A term's own autograd.grad or
 # torch.func transform sees x's graph or wraps x afresh, so it is safe.
 SHARES_SOFTMAX = True
 
-# chunk_size="auto" (bench/results/README.md): 128 rows of a 32000
-# vocabulary (they stay in cache) beat 512 rows and no chunking for logits;
-# 64 rows of 128256 from hidden states.
+# chunk_size="auto": chunks of logits that stay in cache (128 rows of a 32000
+# vocabulary), and 64 rows of 128256 from hidden states, were the fastest on
+# the benchmark machine (bench/results/README.md).
 CHUNK_ELEMENTS = 4 * 2**20
 HEAD_CHUNK_ELEMENTS = 8 * 2**20
 
@@ -47,7 +34,11 @@ class _MapChunks(torch.autograd.Function):
                 connected = watched and chunk_values.requires_grad
                 # A row's value depends on that row alone: the gradient of
                 # the chunk's sum is each row's gradient of its own value.
-                grads = torch.autograd.grad(chunk_values.sum(), watched, allow_unused=True) if connected else [None] * len(watched)
+                grads = (
+                    torch.autograd.grad(chunk_values.sum(), watched, allow_unused=True)
+                    if connected
+                    else [None] * len(watched)
+                )
             for j, g in zip(wanted, grads):
                 if g is None:
                     slopes[j][i].zero_()
@@ -225,8 +216,8 @@ def as_tensor(x):
     """As `_common.as_tensor`, without Keras' call for a torch tensor already
     on Keras' device (`_keras_internals.torch_device`), which Keras'
     conversion returns as it is (it moves a tensor with `x.to(device)`,
-    which returns `x` on that device): each call costs about 8 µs of
-    Python, several per op call in a fit step."""
+    which returns `x` on that device): Keras' call is Python paid several
+    times per op call in a fit step."""
     if isinstance(x, torch.Tensor) and x.device == torch.device(_keras_internals.torch_device()):
         return x  # what Keras' `x.to(device)` returns
     return keras.ops.convert_to_tensor(x)
@@ -234,8 +225,7 @@ def as_tensor(x):
 
 def stack(tensors):
     """As `_common.stack`, as `torch.stack`: Keras' `ops.stack` converts each
-    tensor first, 17 µs against 2 µs for a composite's two term values, at
-    every call of an objective."""
+    tensor first, at every call of an objective."""
     return torch.stack(list(tensors))
 
 
@@ -252,14 +242,13 @@ def add_to_row(variable, row, values):
 
 def reduce_sum(x, axis=None):
     """As `_common.reduce_sum`, as `torch.sum`, which Keras' sum calls after
-    a conversion and before a cast that change nothing for a float tensor
-    (about 8 µs a call; the bench's head objective makes five a call)."""
+    a conversion and before a cast that change nothing for a float tensor."""
     return torch.sum(x) if axis is None else torch.sum(x, dim=axis)
 
 
 def divide_by_count(total, n):
     """As `_common.divide_by_count`; an int count made a tensor by torch
-    directly (Keras' cast of a Python number: about 8 µs a call)."""
+    directly, without Keras' cast of a Python number."""
     if isinstance(n, int):
         return total / torch.tensor(n, dtype=total.dtype, device=total.device)
     return _common.divide_by_count(total, n)
@@ -267,8 +256,7 @@ def divide_by_count(total, n):
 
 def increment(variable):
     """As `_common.increment`, in place: one add instead of an add and an
-    assignment through Keras (about 10 µs of Python, at every training call
-    of an objective)."""
+    assignment through Keras, at every training call of an objective."""
     if _keras_internals.in_stateless_scope():
         return _common.increment(variable)
     with torch.no_grad():
@@ -278,10 +266,9 @@ def increment(variable):
 def proximal_step(variables, threshold, shrink, center):
     """As `_common.proximal_step`, as `torch._foreach_*` calls on the
     variables' tensors in place, as Keras' torch Adam updates them. The
-    clip is a maximum and a minimum against tensor lists: `torch.clamp`
-    with tensor bounds took 0.77 ms over the bench MLP's six variables
-    (670 k values), these 0.19 ms (with Python-number bounds, which would
-    cost a device sync a step on a GPU, 0.18 ms)."""
+    clip is a maximum and a minimum against tensor lists, faster than
+    `torch.clamp` with tensor bounds and, unlike Python-number bounds, with
+    no device sync on a GPU."""
     by_dtype = {}
     for v in variables:
         by_dtype.setdefault(v.value.dtype, []).append(v.value)
@@ -308,8 +295,7 @@ def proximal_step(variables, threshold, shrink, center):
 def unit_clip(grads, weights, clip_factor, eps):
     """As `_common.unit_clip`, in torch ops on each pair: the same passes
     over the tensors without keras.ops' per-call overhead (ten small ops a
-    variable), and column norms as √Σx² (`linalg.vector_norm` over the
-    rows of a [784, 512] kernel took 280 µs, this 33 µs)."""
+    variable), and column norms as √Σx², faster than `linalg.vector_norm`."""
     out = []
     with torch.no_grad():
         for g, w in zip(grads, weights):
@@ -333,10 +319,7 @@ def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
     in the caller's `logp` and `logq` where `reuse` says they are its own
     (one fresh tensor each where not: a log-softmax an objective shares
     with its other terms). On CPU each fresh tensor is a page-faulted
-    allocation of the whole input's size, and the value on [2048, 32000]
-    took 0.59 s this way (six fresh tensors, softmax and log-softmax
-    included) against 1.03-1.25 s (thirteen; the peer's logaddexp form
-    0.86-0.93 s). The same operations in the same order, so the same bits
+    allocation of the whole input's size. The same operations in the same order, so the same bits
     as the differentiable form. Under a `torch.func` transform (`vmap`:
     `ops.vectorized_map`) the differentiable form: a batched result cannot
     be written into an unbatched tensor."""
@@ -366,10 +349,8 @@ def _is_half(dtype):
 
 
 # Below this many classes torch's CPU softmax and log_softmax leave their
-# vectorised kernel for a per-element one (AVX-512: [256, 10] 24 µs against
-# 5.7 µs for [256, 32]); an exp of the log-softmax already at hand is then
-# the cheaper softmax (3.2 µs). From 16 classes on the kernel is as fast
-# as the exp or faster.
+# vectorised kernel for a per-element one; an exp of the log-softmax already
+# at hand is then the cheaper softmax.
 _SOFTMAX_KERNEL_CLASSES = 16
 
 
@@ -383,22 +364,18 @@ def softmax_pair(logits, axis, log_softmax=None):
     return _common.softmax_pair(logits, axis, log_softmax)
 
 
-# Σ|x| and Σx² exact to float32 rounding at every size (within 1e-7 of the
-# float64 sum in every size measured, as torch.sum's cascade and NumPy's
-# pairwise sum are), and without a full copy of a large x. torch's own
-# 1- and 2-norm reductions and the BLAS dot accumulate in a few float32
-# lanes, so their error grows with the size: the 1-norm is off by 3e-4 at
-# 4 M elements and by 9e-2 at 64 M, the dot by 2e-5 and 1e-3
-# (bench/results/README.md, "Issue 25, fifth round").
+# Σ|x| and Σx² exact to float32 rounding at every size, as torch.sum's cascade
+# and NumPy's pairwise sum are, without a full copy of a large x: torch's own
+# 1- and 2-norm reductions and the BLAS dot accumulate in a few float32 lanes,
+# so their error grows with the size (bench/results/README.md).
 _ABS_BLOCK = 2**20  # abs-then-sum this many elements at a time (4 MB in float32)
-_DOT_ELEMENTS = 2**18  # one dot up to here: relative error at most 6.6e-7 measured
+_DOT_ELEMENTS = 2**18  # one dot up to here, within float32 rounding
 _DOT_ROW = 2**14  # beyond: one batched product of 16 k-element rows, each its own dot
 
 
 def sum_abs(x):
-    """Σ|x|: abs-then-sum, of up to `_ABS_BLOCK` elements at once (on
-    [256, 512] 17 µs against 59 µs for torch's 1-norm; 10^7 elements
-    1.4 ms against 4.2 ms)."""
+    """Σ|x|: abs-then-sum, of up to `_ABS_BLOCK` elements at once (faster
+    than torch's 1-norm)."""
     flat = x.reshape(-1)
     if flat.numel() <= _ABS_BLOCK or _transform_active():
         return torch.sum(torch.abs(flat))
@@ -417,9 +394,8 @@ def sum_of_squares(x):
 
 
 def _abs_in_blocks(flat):
-    # Each block's |x| written into one scratch block: fresh 4 MB blocks
-    # were page-faulted in one after another (10^8 elements: 138 ms; with
-    # the scratch block 18 ms, against 42 ms for torch's 1-norm).
+    # Each block's |x| written into one scratch block: fresh blocks would each
+    # be page-faulted in.
     scratch = torch.empty(_ABS_BLOCK, dtype=flat.dtype, device=flat.device)
     partial = [torch.sum(torch.abs(block, out=scratch[: block.numel()])) for block in flat.split(_ABS_BLOCK)]
     return torch.sum(torch.stack(partial))
@@ -430,15 +406,14 @@ def _squares_in_rows(flat):
     rows = flat.numel() // _DOT_ROW
     head = flat[: rows * _DOT_ROW].view(rows, 1, _DOT_ROW)
     total = torch.sum(torch.bmm(head, head.transpose(1, 2)))
-    tail = flat[rows * _DOT_ROW:]
+    tail = flat[rows * _DOT_ROW :]
     return total + torch.dot(tail, tail) if tail.numel() else total
 
 
 class _BlockReduction(torch.autograd.Function):
     """Σ|x| or Σx² of a flat x, formed a block at a time, with the gradient
-    sign(x)·g or 2x·g in one pass (autograd through the blocks took 5x the
-    forward pass for the batched product's backward: 740 µs on a [784, 512]
-    kernel). The backward pass is itself differentiable (double backprop).
+    sign(x)·g or 2x·g in one pass (autograd through the blocks costs
+    several times the forward pass). The backward pass is itself differentiable (double backprop).
     Not under a `torch.func` transform (`vmap`: `ops.vectorized_map`),
     which needs a rule of its own; the callers sum plainly there."""
 
@@ -485,7 +460,9 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
                 if not entry.requires_grad:
                     norms.append(torch.zeros((), device=values.device))
                     continue
-                grads = [g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None]
+                grads = [
+                    g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None
+                ]
                 norms.append(norm(grads) if grads else torch.zeros((), device=values.device))
         return values, torch.stack(norms).detach()
 
