@@ -72,7 +72,7 @@ TEST_WORKERS_torch ?= 0
 
 # The whole suite once per backend, the integration tests once per backend
 # on the oldest Keras, the type check (mypy on keras_penalties/, configured
-# in pyproject.toml: 2 s), then the package as PyPI would get it (sdist and
+# in pyproject.toml: 2 s), the lint and format check (ruff, [tool.ruff]), then the package as PyPI would get it (sdist and
 # wheel, `twine check --strict`), then the documentation site (`mkdocs build
 # --strict`: a broken link, anchor or docstring fails it); fails if any of
 # them fails.
@@ -90,6 +90,9 @@ test: $(VENV)/.installed-test
 	done; \
 	echo "== types: mypy"; \
 	$(PY) -m mypy || failed="$$failed types"; \
+	echo "== lint: ruff check, ruff format --check"; \
+	{ $(PY) -m ruff check keras_penalties tests bench && $(PY) -m ruff format --check keras_penalties tests bench; } \
+		|| failed="$$failed lint"; \
 	echo "== package: build, twine check"; \
 	dist=$$(mktemp -d); \
 	{ $(PY) -m build --no-isolation --outdir $$dist . > $$dist/build.log 2>&1 \

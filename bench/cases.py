@@ -108,13 +108,21 @@ def _llm(ours_fn, ref_fn, shape, count):
 
 _LLM_FUNCTIONS = {
     # name -> (ours(mask, *logits, chunk_size), the peer's, number of logits)
-    "kl forward": (lambda c: lambda m, t, s: P.kl_divergence(t, s, from_logits=True, mask=m, chunk_size=c), native.masked_kl, 2),
+    "kl forward": (
+        lambda c: lambda m, t, s: P.kl_divergence(t, s, from_logits=True, mask=m, chunk_size=c),
+        native.masked_kl,
+        2,
+    ),
     "kl reverse": (
         lambda c: lambda m, t, s: P.kl_divergence(t, s, from_logits=True, direction="reverse", mask=m, chunk_size=c),
         functools.partial(native.masked_kl, reverse=True),
         2,
     ),
-    "js β=0.5": (lambda c: lambda m, t, s: P.js_divergence(t, s, from_logits=True, mask=m, chunk_size=c), native.masked_js, 2),
+    "js β=0.5": (
+        lambda c: lambda m, t, s: P.js_divergence(t, s, from_logits=True, mask=m, chunk_size=c),
+        native.masked_js,
+        2,
+    ),
     "js β=0.1": (
         lambda c: lambda m, t, s: P.js_divergence(t, s, from_logits=True, beta=0.1, mask=m, chunk_size=c),
         functools.partial(native.masked_js, beta=0.1),
@@ -123,41 +131,45 @@ _LLM_FUNCTIONS = {
     "entropy": (lambda c: lambda m, x: P.entropy(x, from_logits=True, mask=m, chunk_size=c), native.masked_entropy, 1),
 }
 
-LLM_CASES = [
-    Case(
-        f"masked {name} value+grad {list(shape)}, chunk_size={LLM_CHUNK}",
-        _PEER,
-        "time ≤ 1.10, memory ≤ 0.50",
-        _llm(ours(LLM_CHUNK), peer, shape, count),
-        1.10,
-        0.50,
-    )
-    for shape in LLM_SHAPES
-    for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
-] + [
-    # chunk_size="auto": the backend's element budget over the vocabulary
-    # (8192 rows of 32000 and 4096 of 128256: JAX 512 and 128 rows, TF 32
-    # and 8, torch 128 and 32).
-    Case(
-        f"masked {name} value+grad {list(shape)}, chunk_size=auto",
-        _PEER,
-        "time ≤ 1.10, memory ≤ 0.50",
-        _llm(ours("auto"), peer, shape, count),
-        1.10,
-        0.50,
-    )
-    for shape in LLM_SHAPES
-    for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
-] + [
-    Case(
-        f"masked {name} value+grad {list(LLM_SHAPES[0])}, chunk_size={LLM_CHUNK} vs none",
-        "our unchunked call",
-        "reported",
-        _llm(ours(LLM_CHUNK), ours(None), LLM_SHAPES[0], count),
-    )
-    for name, (ours, _, count) in _LLM_FUNCTIONS.items()
-    if name in ("kl forward", "js β=0.5", "entropy")
-]
+LLM_CASES = (
+    [
+        Case(
+            f"masked {name} value+grad {list(shape)}, chunk_size={LLM_CHUNK}",
+            _PEER,
+            "time ≤ 1.10, memory ≤ 0.50",
+            _llm(ours(LLM_CHUNK), peer, shape, count),
+            1.10,
+            0.50,
+        )
+        for shape in LLM_SHAPES
+        for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
+    ]
+    + [
+        # chunk_size="auto": the backend's element budget over the vocabulary
+        # (8192 rows of 32000 and 4096 of 128256: JAX 512 and 128 rows, TF 32
+        # and 8, torch 128 and 32).
+        Case(
+            f"masked {name} value+grad {list(shape)}, chunk_size=auto",
+            _PEER,
+            "time ≤ 1.10, memory ≤ 0.50",
+            _llm(ours("auto"), peer, shape, count),
+            1.10,
+            0.50,
+        )
+        for shape in LLM_SHAPES
+        for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
+    ]
+    + [
+        Case(
+            f"masked {name} value+grad {list(LLM_SHAPES[0])}, chunk_size={LLM_CHUNK} vs none",
+            "our unchunked call",
+            "reported",
+            _llm(ours(LLM_CHUNK), ours(None), LLM_SHAPES[0], count),
+        )
+        for name, (ours, _, count) in _LLM_FUNCTIONS.items()
+        if name in ("kl forward", "js β=0.5", "entropy")
+    ]
+)
 
 
 # ---------------------------------------------------------------- LLM heads: losses from hidden states (SPEC §10)
@@ -199,8 +211,12 @@ def _head(ours_fn, ref_fn):
 _HEAD_FUNCTIONS = {
     # name -> (fused: from hidden states, ours on logits formed first, the peer on them)
     "kl forward": (
-        lambda m, y, ht, kt, h, k: P.kl_divergence(P.linear(ht, kt), P.linear(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK),
-        lambda m, y, ht, kt, h, k: P.kl_divergence(native.matmul(ht, kt), native.matmul(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK),
+        lambda m, y, ht, kt, h, k: P.kl_divergence(
+            P.linear(ht, kt), P.linear(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK
+        ),
+        lambda m, y, ht, kt, h, k: P.kl_divergence(
+            native.matmul(ht, kt), native.matmul(h, k), from_logits=True, mask=m, chunk_size=HEAD_CHUNK
+        ),
         lambda m, y, ht, kt, h, k: native.masked_kl(m, native.matmul(ht, kt), native.matmul(h, k)),
     ),
     "cross-entropy": (
@@ -251,8 +267,12 @@ def _distiller_step(small):
 
     def step(fused):
         fuse = dict(head="head", teacher_head="head", chunk_size=HEAD_CHUNK) if fused else {}
-        distiller = Distiller(lm("teacher", 1), lm("student", 2), LogitsDivergence(temperature=2.0), student_loss_weight=0.5, **fuse)
-        distiller.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        distiller = Distiller(
+            lm("teacher", 1), lm("student", 2), LogitsDivergence(temperature=2.0), student_loss_weight=0.5, **fuse
+        )
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         return lambda: distiller.train_on_batch(x, y, sample_weight=weights)
 
     return {"ours": step(True), "reference": step(False)}
@@ -374,7 +394,13 @@ def _monitor(every):
 FIT_CASES = [
     Case("fit step, MLP + 4-term objective", "same math hand-written in keras.ops", "time ≤ 1.03", build_fit, 1.03)
 ] + [
-    Case(f"PenaltyMonitor every_n_batches={n}", "fit without the monitor", "time ≤ 1.05" if n == 50 else "reported", _monitor(n), 1.05 if n == 50 else None)
+    Case(
+        f"PenaltyMonitor every_n_batches={n}",
+        "fit without the monitor",
+        "time ≤ 1.05" if n == 50 else "reported",
+        _monitor(n),
+        1.05 if n == 50 else None,
+    )
     for n in (1, 10, 50)
 ]
 
@@ -387,7 +413,9 @@ GP_DIMS, GP_HIDDEN, GP_BATCH, GP_WEIGHT, GP_LR = 128, [512, 512], 512, 10.0, 1e-
 class Critic(keras.Model):
     def __init__(self, hidden, gp_weight=GP_WEIGHT):
         super().__init__()
-        self.net = keras.Sequential([keras.layers.Dense(h, activation="relu") for h in hidden] + [keras.layers.Dense(1)])
+        self.net = keras.Sequential(
+            [keras.layers.Dense(h, activation="relu") for h in hidden] + [keras.layers.Dense(1)]
+        )
         self.seed_generator = keras.random.SeedGenerator(0)
         self.gp_weight = gp_weight
 
@@ -415,7 +443,13 @@ def build_gp(small, gp_weight=GP_WEIGHT):
     critic = Critic(hidden, gp_weight)
     critic.compile(optimizer=keras.optimizers.SGD(GP_LR))
     native_step = native.wgan_gp_step(dims, hidden, batch, gp_weight, GP_LR)
-    batches = [(ops.convert_to_tensor(real[i * batch:(i + 1) * batch]), ops.convert_to_tensor(fake[i * batch:(i + 1) * batch])) for i in range(steps)]
+    batches = [
+        (
+            ops.convert_to_tensor(real[i * batch : (i + 1) * batch]),
+            ops.convert_to_tensor(fake[i * batch : (i + 1) * batch]),
+        )
+        for i in range(steps)
+    ]
 
     def hand_written():
         for r, f in batches:
@@ -465,9 +499,20 @@ def build_gp_keras(small):
 
 
 GP_CASES = [
-    Case("WGAN-GP critic train step", "the same penalty hand-written in the Keras step", "time ≤ 1.05", build_gp_keras, 1.05),
+    Case(
+        "WGAN-GP critic train step",
+        "the same penalty hand-written in the Keras step",
+        "time ≤ 1.05",
+        build_gp_keras,
+        1.05,
+    ),
     Case("WGAN-GP critic train step vs a native loop", "hand-written native step", "reported", build_gp),
-    Case("same critic step without GP (fit overhead)", "hand-written native step", "reported", functools.partial(build_gp, gp_weight=0.0)),
+    Case(
+        "same critic step without GP (fit overhead)",
+        "hand-written native step",
+        "reported",
+        functools.partial(build_gp, gp_weight=0.0),
+    ),
 ]
 
 # ---------------------------------------------------------------- optimizer wrappers
@@ -560,18 +605,36 @@ OPTIMIZER_CASES = [
     for name, (what, reference) in HAND_WRITTEN.items()
 ]
 
-CASES = FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + LLM_CASES + HEAD_CASES + DISTILLER_CASES + NORM_CASES
+CASES = (
+    FIT_CASES + OPTIMIZER_CASES + GP_CASES + DIVERGENCE_CASES + LLM_CASES + HEAD_CASES + DISTILLER_CASES + NORM_CASES
+)
 
 # Misses that a measurement shows out of reach (bench/results/README.md,
 # "Missed, and why"): (backend, case name) -> why. The summary marks them ✗†
 # and prints the reason under the table.
 OUT_OF_REACH = {
-    ("jax", "entropy value [8192, 32000]"): "the same compiled program as the peer's (XLA's optimized HLO is the same but for names), at the target by construction: the ratio is 1 but for noise",
-    ("tensorflow", "kl_divergence value+grad [8192, 32000]"): "the same TF ops as the peer's on every [rows, classes] tensor (they differ only on per-row vectors and scalars), at the target by construction: the ratio is 1 but for noise",
+    (
+        "jax",
+        "entropy value [8192, 32000]",
+    ): (
+        "the same compiled program as the peer's (XLA's optimized HLO is the same but for names), "
+        "at the target by construction: the ratio is 1 but for noise"
+    ),
+    (
+        "tensorflow",
+        "kl_divergence value+grad [8192, 32000]",
+    ): (
+        "the same TF ops as the peer's on every [rows, classes] tensor "
+        "(they differ only on per-row vectors and scalars), "
+        "at the target by construction: the ratio is 1 but for noise"
+    ),
     (
         "tensorflow",
         _HEAD_NAME.format("cross-entropy"),
-    ): "memory: the target (0.10 of raw TF's 1208 MB, 121 MB) is less than the kernel's gradient both sides return (125 MB)",
+    ): (
+        "memory: the target (0.10 of raw TF's 1208 MB, 121 MB) "
+        "is less than the kernel's gradient both sides return (125 MB)"
+    ),
 }
 
 # Rows with no ratio because the native peer alone does not fit in this

@@ -59,23 +59,43 @@ def main():
     rows = []
     for name in args.functions:
         for chunk in CHUNKS:
-            command = [sys.executable, "-m", "bench.chunking", "--shape", *map(str, shape), "--repeats", str(args.repeats), "--one", name, str(chunk).lower()]
+            command = [
+                sys.executable,
+                "-m",
+                "bench.chunking",
+                "--shape",
+                *map(str, shape),
+                "--repeats",
+                str(args.repeats),
+                "--one",
+                name,
+                str(chunk).lower(),
+            ]
             result = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
             row = {"function": name, "chunk_size": chunk}
             if lines:
                 row["seconds"], row["peak_bytes"] = json.loads(lines[-1][7:])
             else:
-                row["error"] = "killed (out of memory)" if result.returncode == -9 else f"exit status {result.returncode}"
+                row["error"] = (
+                    "killed (out of memory)" if result.returncode == -9 else f"exit status {result.returncode}"
+                )
             print(row, flush=True)
             rows.append(row)
-    report = {"backend": native.BACKEND, "shape": list(shape), "repeats": args.repeats, "machine": machine(), "rows": rows}
+    report = {
+        "backend": native.BACKEND,
+        "shape": list(shape),
+        "repeats": args.repeats,
+        "machine": machine(),
+        "rows": rows,
+    }
     stem = RESULTS / f"chunking_{native.BACKEND}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = [
         f"# Chunk size against time and memory: {native.BACKEND}, {list(shape)} logits, 25 % of tokens masked",
         "",
-        "Value + gradient; median of %d calls after warm-up; peak resident memory above the inputs, one fresh process per row." % args.repeats,
+        "Value + gradient; median of %d calls after warm-up; "
+        "peak resident memory above the inputs, one fresh process per row." % args.repeats,
         "",
         "| function | chunk_size | time | × unchunked | peak memory above inputs | × unchunked |",
         "|---|---|---|---|---|---|",
@@ -88,7 +108,10 @@ def main():
                 continue
             t = f"{r['seconds'] / base['seconds']:.2f}" if base else "–"
             m = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base and base["peak_bytes"] else "–"
-            lines.append(f"| {name} | {r['chunk_size'] or 'none'} | {r['seconds'] * 1e3:.0f} ms | {t} | {r['peak_bytes'] / 2**20:.0f} MB | {m} |")
+            lines.append(
+                f"| {name} | {r['chunk_size'] or 'none'} | {r['seconds'] * 1e3:.0f} ms | {t} "
+                f"| {r['peak_bytes'] / 2**20:.0f} MB | {m} |"
+            )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -81,7 +81,9 @@ def build(weights=None, weighting=None):
     inputs = keras.Input((INPUTS,))
     h = keras.layers.Dense(64, activation="relu", name="trunk_1")(inputs)
     h = keras.layers.Dense(64, activation="relu", name="trunk_2")(h)
-    out = keras.layers.Concatenate()([keras.layers.Dense(1)(h), keras.layers.Dense(1)(h), keras.layers.Dense(CLASSES)(h)])
+    out = keras.layers.Concatenate()(
+        [keras.layers.Dense(1)(h), keras.layers.Dense(1)(h), keras.layers.Dense(CLASSES)(h)]
+    )
     model = keras.Model(inputs, out)
     loss = CompositeLoss({t: Column(t) for t in TASKS}, weights=weights, weighting=weighting, name="tasks")
     model.compile(keras.optimizers.Adam(1e-3), loss=loss)
@@ -136,21 +138,24 @@ def run(epochs, samples):
     rows = []
     for name, make in methods(probe).items():
         errs, step, weights = train(make, data, epochs)
-        rows.append({
-            "method": name,
-            "errors": errs,
-            "relative": {t: errs[t] / alone[t] if alone[t] > 0 else None for t in TASKS},
-            "step_seconds": step,
-            "final_weights": weights,
-        })
+        rows.append(
+            {
+                "method": name,
+                "errors": errs,
+                "relative": {t: errs[t] / alone[t] if alone[t] > 0 else None for t in TASKS},
+                "step_seconds": step,
+                "final_weights": weights,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["step_seconds"]
     fixed = rows[0]["errors"]
     for row in rows:
         row["step_ratio"] = row["step_seconds"] / base
         row["worst_vs_fixed"] = max(row["errors"][t] / fixed[t] for t in TASKS if fixed[t] > 0)
-        row["meets_goal"] = bool(row["relative"]["reg"] is not None and row["relative"]["reg"] <= 2.0
-                                 and row["worst_vs_fixed"] <= 1.2)
+        row["meets_goal"] = bool(
+            row["relative"]["reg"] is not None and row["relative"]["reg"] <= 2.0 and row["worst_vs_fixed"] <= 1.2
+        )
     return {"backend": native.BACKEND, "epochs": epochs, "samples": samples, "alone": alone, "rows": rows}
 
 
@@ -167,7 +172,8 @@ def _table(report):
         "",
         f"{report['samples']} training samples, batches of {BATCH}, {report['epochs']} epochs, Adam(1e-3). "
         f"Trained alone, the held-out errors are: reg MSE {alone['reg']:.4f}, reg_x10 MSE {alone['reg_x10']:.3f}, "
-        f"cls error rate {alone['cls']:.3f}. Each cell: the task's error relative to that (below 1: better than alone).",
+        f"cls error rate {alone['cls']:.3f}. "
+        "Each cell: the task's error relative to that (below 1: better than alone).",
         "",
         "| method | reg | reg_x10 | cls | worst task vs fixed | goal met | final weights (reg, reg_x10, cls) "
         "| step time vs fixed |",

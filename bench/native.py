@@ -132,7 +132,8 @@ def js(a, b):
         la, lb = F.log_softmax(a, -1), F.log_softmax(b, -1)
         lm = torch.logaddexp(la, lb) - LOG2
         return 0.5 * (
-            F.kl_div(lm, la, log_target=True, reduction="batchmean") + F.kl_div(lm, lb, log_target=True, reduction="batchmean")
+            F.kl_div(lm, la, log_target=True, reduction="batchmean")
+            + F.kl_div(lm, lb, log_target=True, reduction="batchmean")
         )
     import tensorflow as tf
 
@@ -424,7 +425,9 @@ def add_noise(grads, sigma, step):
 
         step = tf.cast(step, tf.int64)
         return [
-            g + tf.cast(sigma, g.dtype) * tf.random.stateless_normal(tf.shape(g), tf.stack([tf.constant(i, tf.int64), step]), dtype=g.dtype)
+            g
+            + tf.cast(sigma, g.dtype)
+            * tf.random.stateless_normal(tf.shape(g), tf.stack([tf.constant(i, tf.int64), step]), dtype=g.dtype)
             for i, g in enumerate(grads)
         ]
     import torch
@@ -486,7 +489,10 @@ def centralize(grads):
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        return [g - tf.reduce_mean(g, axis=list(range(len(g.shape) - 1)), keepdims=True) if len(g.shape) > 1 else g for g in grads]
+        return [
+            g - tf.reduce_mean(g, axis=list(range(len(g.shape) - 1)), keepdims=True) if len(g.shape) > 1 else g
+            for g in grads
+        ]
     import torch
 
     with torch.no_grad():  # in place, as the paper's code does

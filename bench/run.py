@@ -73,7 +73,9 @@ class CaseFailed(RuntimeError):
 def _child(args, tag):
     """Runs `python -m bench.run ARGS` in a fresh process; returns its TAG line's payload."""
     command = [sys.executable, "-m", "bench.run"] + args
-    result = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), cwd=pathlib.Path(__file__).parent.parent)
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=os.environ.copy(), cwd=pathlib.Path(__file__).parent.parent
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith(tag + " ")]
     if result.returncode != 0 or not lines:
         if result.returncode == -9:
@@ -82,7 +84,7 @@ def _child(args, tag):
             tail = [line for line in result.stderr.strip().splitlines() if line.strip()][-1:]
             reason = f"exit status {result.returncode}" + (f": {tail[0][:200]}" if tail else "")
         raise CaseFailed(f"bench.run {' '.join(args)}: {reason}")
-    return lines[-1][len(tag) + 1:]
+    return lines[-1][len(tag) + 1 :]
 
 
 def measure_memory(index, side, small):
@@ -129,7 +131,11 @@ def measure_time(work, repeats, sides=("ours", "reference")):
 
 def machine():
     cpu = next(
-        (line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        (
+            line.split(":", 1)[1].strip()
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
         platform.processor(),
     )
     versions = {"python": platform.python_version(), "keras": keras.__version__, "numpy": np.__version__}
@@ -139,7 +145,12 @@ def machine():
         import optax
 
         versions["optax"] = optax.__version__
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "versions": versions}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "versions": versions,
+    }
 
 
 def measure(index, small, repeats, memory=True):
@@ -240,16 +251,20 @@ def markdown(report):
         f"# Benchmarks: {report['backend']}",
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB; {versions}.",
-        f"Median of {usual} alternating runs after warm-up (other counts are given by the case) (per step for fit cases); "
+        f"Median of {usual} alternating runs after warm-up (other counts are given by the case) "
+        "(per step for fit cases); "
         "time ratio = ours / reference of the medians (the targets apply to it), and of the minima; "
         "peak memory is what each side adds above its inputs, in a fresh process.",
         "",
-        "| case | reference | ours median (min–max) | reference median (min–max) | time ratio (of minima) | peak memory ours / ref | memory ratio | target |",
+        "| case | reference | ours median (min–max) | reference median (min–max) | time ratio (of minima) "
+        "| peak memory ours / ref | memory ratio | target |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["cases"]:
         if "error" in row:
-            lines.append(f"| {row['case']} | {row['reference_name']} | not measured: {row['error']} | | | | | {row['target']} |")
+            lines.append(
+                f"| {row['case']} | {row['reference_name']} | not measured: {row['error']} | | | | | {row['target']} |"
+            )
             continue
         o, r = row["ours"], row["reference"]
         memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
@@ -257,9 +272,12 @@ def markdown(report):
         runs = row.get("repeats", report["repeats"])
         name = row["case"] if runs == usual else f"{row['case']} ({runs} runs)"
         if row.get("timed_apart"):
-            name += " (each side timed in two processes of its own, not alternating: together they do not fit in memory)"
+            name += (
+                " (each side timed in two processes of its own, not alternating: together they do not fit in memory)"
+            )
         lines.append(
-            f"| {name} | {row['reference_name']} | {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
+            f"| {name} | {row['reference_name']} "
+            f"| {o['median_s'] * 1e3:.2f} ms ({o['min_s'] * 1e3:.2f}–{o['max_s'] * 1e3:.2f}) "
             f"| {r['median_s'] * 1e3:.2f} ms ({r['min_s'] * 1e3:.2f}–{r['max_s'] * 1e3:.2f}) "
             f"| {row['time_ratio']:.3f} ({row['min_time_ratio']:.3f}) "
             f"| {_mb(o['peak_memory_bytes'])} / {_mb(r['peak_memory_bytes'])} | {memory} | {row['target']}{met} |"

@@ -30,7 +30,9 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 DEVICES = (1, 2, 4)
 SETUPS = ("data-parallel", "vocabulary-parallel", "vocabulary-parallel, tied")
 PATHS = ("fused", "obvious")
-_COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?)\s(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?)\s(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(?:-start)?\("
+)
 _SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
 
 
@@ -76,8 +78,10 @@ def child(devices, tokens, hidden, vocab, chunk):
             kernel_spec = Spec("model", None) if tied else Spec(None, "model")
         rows = NamedSharding(mesh, Spec("batch"))
         placed = [
-            jax.device_put(h, rows), jax.device_put(kernel.T.copy() if tied else kernel, NamedSharding(mesh, kernel_spec)),
-            jax.device_put(labels, rows), jax.device_put(mask, rows),
+            jax.device_put(h, rows),
+            jax.device_put(kernel.T.copy() if tied else kernel, NamedSharding(mesh, kernel_spec)),
+            jax.device_put(labels, rows),
+            jax.device_put(mask, rows),
         ]
         report[setup] = {}
         for name, fn in (("fused", fused), ("obvious", obvious)):
@@ -117,10 +121,14 @@ def main():
         command = [sys.executable, "-m", "bench.scaling", "--devices", str(devices)] + [
             f"--{k}={v}" for k, v in zip(("tokens", "hidden", "vocab", "chunk"), sizes)
         ]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=pathlib.Path(__file__).parent.parent)
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, check=True, cwd=pathlib.Path(__file__).parent.parent
+        )
         results[devices] = json.loads(done.stdout.strip().splitlines()[-1])
     args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "scaling_jax.json").write_text(json.dumps({"sizes": dict(zip(("tokens", "hidden", "vocab", "chunk"), sizes)), "results": results}, indent=1))
+    (args.output / "scaling_jax.json").write_text(
+        json.dumps({"sizes": dict(zip(("tokens", "hidden", "vocab", "chunk"), sizes)), "results": results}, indent=1)
+    )
     lines = [
         f"Per-device memory of cross-entropy value + gradient from hidden states, {args.tokens} tokens, "
         f"H = {args.hidden}, V = {args.vocab}, chunk_size={args.chunk} (fused), JAX virtual CPU devices "
@@ -134,7 +142,8 @@ def main():
             for path in PATHS:
                 r = report[setup][path]
                 lines.append(
-                    f"| {devices} | {setup} | {path} | {r['temp_mb']:.2f} | {r['output_mb']:.2f} | {r['largest_collective_elements']} |"
+                    f"| {devices} | {setup} | {path} | {r['temp_mb']:.2f} | {r['output_mb']:.2f} "
+                    f"| {r['largest_collective_elements']} |"
                 )
     (args.output / "scaling_jax.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -154,7 +163,8 @@ def plot(results, path, sizes):
             ax.plot(
                 devices,
                 [results[d][setup][path_name]["temp_mb"] + results[d][setup][path_name]["output_mb"] for d in devices],
-                style, label=path_name,
+                style,
+                label=path_name,
             )
         ax.set_title(setup)
         ax.set_xlabel("devices")
@@ -162,7 +172,9 @@ def plot(results, path, sizes):
         ax.legend()
     axes[0].set_ylabel("MB per device\n(temporaries + gradients)")
     tokens, hidden, vocab, chunk = sizes
-    figure.suptitle(f"Cross-entropy from hidden states, value + gradient: {tokens} tokens, H={hidden}, V={vocab}, chunk {chunk}")
+    figure.suptitle(
+        f"Cross-entropy from hidden states, value + gradient: {tokens} tokens, H={hidden}, V={vocab}, chunk {chunk}"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 

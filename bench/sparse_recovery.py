@@ -32,14 +32,14 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 FEATURES, NONZERO, SAMPLES, BATCH, NOISE, THRESHOLD = 1000, 20, 2000, 64, 0.1, 0.01
 
 SETUPS = {
-    "Adam + coupled L1": [
-        (f, lambda: keras.optimizers.Adam(0.01), regularizers.L1(f)) for f in (1e-3, 3e-3, 1e-2)
-    ],
+    "Adam + coupled L1": [(f, lambda: keras.optimizers.Adam(0.01), regularizers.L1(f)) for f in (1e-3, 3e-3, 1e-2)],
     "Adam + ProximalDecay(L1)": [
-        (f, lambda f=f: optimizers.ProximalDecay(keras.optimizers.Adam(0.01), regularizers.L1(f)), None) for f in (0.3, 0.5, 0.7)
+        (f, lambda f=f: optimizers.ProximalDecay(keras.optimizers.Adam(0.01), regularizers.L1(f)), None)
+        for f in (0.3, 0.5, 0.7)
     ],
     "SGD + ProximalDecay(L1)": [
-        (f, lambda f=f: optimizers.ProximalDecay(keras.optimizers.SGD(0.02), regularizers.L1(f)), None) for f in (0.1, 0.3, 1.0)
+        (f, lambda f=f: optimizers.ProximalDecay(keras.optimizers.SGD(0.02), regularizers.L1(f)), None)
+        for f in (0.1, 0.3, 1.0)
     ],
 }
 
@@ -83,7 +83,10 @@ def run_one(make_optimizer, regularizer, epochs, data):
     x, y, truth = data
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((x.shape[1],)), keras.layers.Dense(1, use_bias=False, kernel_regularizer=regularizer, kernel_initializer="zeros")]
+        [
+            keras.Input((x.shape[1],)),
+            keras.layers.Dense(1, use_bias=False, kernel_regularizer=regularizer, kernel_initializer="zeros"),
+        ]
     )
     model.compile(make_optimizer(), "mse")
     steps_per_epoch = -(-len(x) // BATCH)
@@ -118,10 +121,12 @@ def markdown(rows, epochs):
         f"# Sparse recovery: {native.BACKEND}",
         "",
         f"{FEATURES} features, {NONZERO} non-zero, {SAMPLES} samples, batches of {BATCH}, {epochs} epochs "
-        f"({rows[0]['steps']} steps). Adam at η = 0.01, SGD at η = 0.02 (0.1 diverges: a batch of 64 in 1000 dimensions has curvature up to ~50). Precision/recall of the non-zeros "
+        f"({rows[0]['steps']} steps). Adam at η = 0.01, SGD at η = 0.02 "
+        "(0.1 diverges: a batch of 64 in 1000 dimensions has curvature up to ~50). Precision/recall of the non-zeros "
         f"after the last epoch; steps = the epoch end from which both stay 1.",
         "",
-        "| set-up | factor | exact zeros | precision / recall (w ≠ 0) | steps to the support | precision / recall (abs(w) > 0.01) | steps |",
+        "| set-up | factor | exact zeros | precision / recall (w ≠ 0) | steps to the support "
+        "| precision / recall (abs(w) > 0.01) | steps |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -141,7 +146,9 @@ def main():
     rows = run(args.epochs)
     args.output.mkdir(parents=True, exist_ok=True)
     stem = args.output / f"sparse_recovery_{native.BACKEND}"
-    stem.with_suffix(".json").write_text(json.dumps({"backend": native.BACKEND, "epochs": args.epochs, "rows": rows}, indent=2))
+    stem.with_suffix(".json").write_text(
+        json.dumps({"backend": native.BACKEND, "epochs": args.epochs, "rows": rows}, indent=2)
+    )
     stem.with_suffix(".md").write_text(markdown(rows, args.epochs))
 
 

@@ -55,9 +55,13 @@ def table():
             reference = "native peer"
         lines.append(f"| {case.name} | {reference} | {case.target} | " + " | ".join(cells) + " |")
     machine = first["machine"]
-    intro = (f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
-             "memory ratio in parentheses; ✓/✗ against the target; ✗†: missed in this run, and shown by a measurement to be out of reach or at the target by construction; "
-             "not measured‡: the native peer alone does not fit in this machine's memory, so there is no ratio (both listed under the table).")
+    intro = (
+        f"{machine['cpu']}, {machine['cores']} cores; ratio = ours / reference (lower is better), "
+        "memory ratio in parentheses; ✓/✗ against the target; ✗†: missed in this run, "
+        "and shown by a measurement to be out of reach or at the target by construction; "
+        "not measured‡: the native peer alone does not fit in this machine's memory, so there is no ratio "
+        "(both listed under the table)."
+    )
     return intro + "\n\n" + "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 

@@ -37,7 +37,9 @@ def head_call(model, head, argument):
             "Sequential model is needed to compute the hidden states that feed its head."
         )
     if len(outputs) != 1:
-        raise ValueError(f"`{argument}`: {model.name} has {len(outputs)} outputs; a fused head needs a model with one (the logits).")
+        raise ValueError(
+            f"`{argument}`: {model.name} has {len(outputs)} outputs; a fused head needs a model with one (the logits)."
+        )
     history = getattr(outputs[0], "_keras_history", None)
     if history is None or history.operation is not head:
         producer = getattr(getattr(history, "operation", None), "name", None)

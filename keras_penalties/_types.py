@@ -7,9 +7,10 @@ backend and the call, and Keras ships no types for them. `Tensor` marks what
 the package returns, `TensorLike` what it converts (`keras.ops.convert_to_tensor`:
 tensors, NumPy arrays, nested lists, numbers).
 
-The string options are the values the runtime checks accept (the tuples in
-`ops/_numerics.py`, `ops/divergences.py`, ...); those checks stay the
-authority, with their messages, for untyped callers.
+The `Literal` aliases are the one place each string option's values are
+written: the runtime checks (`_validation.choice`) take them with
+`typing.get_args`, and reject other values, naming the option, for untyped
+callers.
 """
 
 from typing import Any, Callable, Literal, Optional, Sequence, TypeAlias, Union
@@ -24,9 +25,7 @@ Reduction: TypeAlias = Literal["sum", "mean", "none"]
 # l1, l2 and elastic_net also take Keras' activity-regularizer scale.
 MagnitudeReduction: TypeAlias = Literal["sum", "mean", "none", "sum_over_batch_size"]
 # What `keras.losses.Loss(reduction=...)` accepts.
-LossReduction: TypeAlias = Optional[
-    Literal["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none"]
-]
+LossReduction: TypeAlias = Optional[Literal["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none"]]
 Direction: TypeAlias = Literal["forward", "reverse", "symmetric"]
 Metric: TypeAlias = Literal["mse", "l1", "cosine", "kl", "js"]
 OrthogonalityMode: TypeAlias = Literal["soft", "hard", "spectral"]

@@ -17,21 +17,27 @@ student's vocabulary projection (`head=`), computes its losses from the
 hidden states without forming the [tokens, vocab] logits.
 """
 
-import re
-from typing import Any
+from typing import Any, get_args
 
 import keras
 from keras import ops
 
 from keras_penalties import _keras_internals, backend
+from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
+from keras_penalties._distiller_parts import (
+    FeatureExtractors,
+    Head,
+    check_fusable_student_loss,
+    loss_object,
+    metric_names,
+)
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
-from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops.heads import weighted_cross_entropy_sum
 
-DIVERGENCES = ("kl", "js")
+DIVERGENCES = get_args(Divergence)
 
 
 def _token_mask(sample_weight, logits):
@@ -114,11 +120,11 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         chunk_size: ChunkSize = None,
         name: str | None = None,
     ) -> None:
-        self.divergence = num.choice(*DIVERGENCES)("divergence", divergence)
+        self.divergence = check.choice(*DIVERGENCES)("divergence", divergence)
         kl = penalties.kl_divergence.check_options(direction=direction, temperature=temperature, chunk_size=chunk_size)
         self.direction, self.temperature, self.chunk_size = kl["direction"], kl["temperature"], kl["chunk_size"]
         self.beta = penalties.js_divergence.check_options(beta=beta)["beta"]
-        self.scale_by_temperature_squared = num.boolean("scale_by_temperature_squared", scale_by_temperature_squared)
+        self.scale_by_temperature_squared = check.boolean("scale_by_temperature_squared", scale_by_temperature_squared)
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`name` must be a string or None; got {name!r}.")
         self.name = name
@@ -160,7 +166,8 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
             chunk_size: used when the loss has none of its own.
         """
         teacher_outputs, student_outputs = (
-            t if isinstance(t, penalties.LinearLogits) else ops.convert_to_tensor(t) for t in (teacher_outputs, student_outputs)
+            t if isinstance(t, penalties.LinearLogits) else ops.convert_to_tensor(t)
+            for t in (teacher_outputs, student_outputs)
         )
         mask = _token_mask(sample_weight, student_outputs)
         total = self.divergence_sum(teacher_outputs, student_outputs, mask, chunk_size)
@@ -197,88 +204,6 @@ def _mean_over_replicas(total, count):
         (count,) = backend.sum_over_replicas([count])
         total = total * float(replicas)
     return total / ops.maximum(count, 1.0)
-
-
-class _Head:
-    """A model's vocabulary projection: the model that computes the hidden
-    states it reads, and its kernel and bias, read when the logits are
-    described (inside the training step, where JAX's stateless scope holds
-    the values)."""
-
-    def __init__(self, model, head, argument):
-        if isinstance(head, str):
-            head = model.get_layer(head)
-        if not isinstance(head, keras.layers.Layer):
-            raise TypeError(f"`{argument}` must be a layer of {model.name} or its name; got {head!r}.")
-        hidden, kwargs = _keras_internals.head_call(model, head, argument)
-        self.layer = head
-        if hasattr(head, "tie_weights") and hasattr(head, "embeddings"):  # a reversible (tied) embedding
-            if getattr(head, "logit_soft_cap", None) is not None:
-                raise ValueError(
-                    f"`{argument}`: {head.name} soft-caps its logits (tanh), so they are not linear in the "
-                    "hidden states; fusing it is not supported."
-                )
-            self.kind = "tied" if head.tie_weights else "untied"
-        elif isinstance(head, keras.layers.Dense):
-            if head.activation is not keras.activations.linear:
-                raise ValueError(f"`{argument}`: {head.name} has an activation; a fused head must be linear (logits).")
-            self.kind = "dense"
-        else:
-            raise TypeError(
-                f"`{argument}` must be a keras.layers.Dense or a reversible embedding (keras-hub's "
-                f"ReversibleEmbedding); got {type(head).__name__}."
-            )
-        if getattr(head, "quantization_mode", None):
-            raise ValueError(f"`{argument}`: {head.name} is quantized; a fused head needs a float kernel.")
-        if self.kind != "dense" and not kwargs.get("reverse"):
-            raise ValueError(f"`{argument}`: {head.name} produces {model.name}'s output without `reverse=True`.")
-        inputs = model.input
-        self.hidden_model = keras.Model(inputs, hidden, name=f"{model.name}_hidden_states")
-
-    def logits(self, hidden):
-        """`ops.linear` of `hidden` through the head."""
-        head = self.layer
-        if self.kind == "tied":
-            return penalties.linear(hidden, head.embeddings, transpose_kernel=True)
-        if self.kind == "untied":
-            return penalties.linear(hidden, head.reverse_embeddings)
-        return penalties.linear(hidden, head.kernel, head.bias if head.use_bias else None)
-
-
-def _snake(name):
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _metric_names(losses):
-    """Each loss's `name`, else its class name in snake case; `_2`, `_3`, …
-    on repeats."""
-    names, seen = [], {}
-    for loss in losses:
-        base = getattr(loss, "name", None) or _snake(type(loss).__name__)
-        seen[base] = seen.get(base, 0) + 1
-        names.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
-    return names
-
-
-class _FunctionLoss(keras.losses.Loss):
-    """A loss function as a `Loss` (sample weights, Keras' reduction), as
-    `compile` wraps one."""
-
-    def __init__(self, fn):
-        super().__init__(name=getattr(fn, "__name__", None))
-        self.fn = fn
-
-    def call(self, y_true, y_pred):
-        return self.fn(y_true, y_pred)
-
-
-def _loss_object(loss):
-    """A student loss as a Keras `Loss` that takes `sample_weight`."""
-    if loss is None:
-        return None
-    if isinstance(loss, str):
-        loss = keras.losses.get(loss)
-    return loss if isinstance(loss, keras.losses.Loss) else _FunctionLoss(loss)
 
 
 @keras.saving.register_keras_serializable(package="keras_penalties")
@@ -347,9 +272,9 @@ class Distiller(keras.distillation.Distiller):
         if distillation_loss_weights is not None and not isinstance(distillation_loss_weights, (list, tuple)):
             distillation_loss_weights = [distillation_loss_weights]
         super().__init__(teacher, student, losses, distillation_loss_weights, student_loss_weight, name=name, **kwargs)
-        self.chunk_size = num.chunk_size("chunk_size", chunk_size)
-        self.head = None if head is None else _Head(student, head, "head")
-        self.teacher_head = None if teacher_head is None else _Head(teacher, teacher_head, "teacher_head")
+        self.chunk_size = check.chunk_size("chunk_size", chunk_size)
+        self.head = None if head is None else Head(student, head, "head")
+        self.teacher_head = None if teacher_head is None else Head(teacher, teacher_head, "teacher_head")
         if self.head or self.teacher_head:
             others = [type(loss).__name__ for loss in losses if not isinstance(loss, LogitsDivergence)]
             if others:
@@ -357,8 +282,8 @@ class Distiller(keras.distillation.Distiller):
                     f"`distillation_losses`: with `head`/`teacher_head` the losses receive lazy logits "
                     f"(ops.linear) and must be LogitsDivergence; got {others}."
                 )
-        self._layer_features = _FeatureExtractors(teacher, student, losses)
-        self.loss_names = _metric_names(losses)
+        self._layer_features = FeatureExtractors(teacher, student, losses)
+        self.loss_names = metric_names(losses)
         self.loss_trackers = [keras.metrics.Mean(name=f"distillation/{n}") for n in self.loss_names]
         self.student_losses = None
         self._fused_step = False
@@ -370,9 +295,9 @@ class Distiller(keras.distillation.Distiller):
         (computed from the hidden states)."""
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
         self.student_loss_config = loss
-        self.student_losses = keras.tree.map_structure(_loss_object, loss)
+        self.student_losses = keras.tree.map_structure(loss_object, loss)
         if self.head is not None:
-            _check_fusable_student_loss(self.student_losses)
+            check_fusable_student_loss(self.student_losses)
 
     def get_compile_config(self) -> dict[str, Any] | None:
         config = super().get_compile_config()
@@ -421,12 +346,16 @@ class Distiller(keras.distillation.Distiller):
         if self.student_loss_weight < 1.0:
             teacher = self._teacher_outputs(x)
             features = self._layer_features(x, teacher, student)
-            for loss, weight, tracker in zip(self.distillation_losses, self.distillation_loss_weights, self.loss_trackers):
+            for loss, weight, tracker in zip(
+                self.distillation_losses, self.distillation_loss_weights, self.loss_trackers
+            ):
                 t, s = features.get(loss, (teacher, student))
                 loss.validate_outputs(t, s)
                 value = ops.cast(_call_distillation_loss(loss, t, s, sample_weight, self.chunk_size), "float32")
                 if len(value.shape):
-                    raise ValueError(f"Distillation loss {type(loss).__name__} returned a non-scalar of shape {value.shape}.")
+                    raise ValueError(
+                        f"Distillation loss {type(loss).__name__} returned a non-scalar of shape {value.shape}."
+                    )
                 tracker.update_state(value)
                 distillation = distillation + float(weight) * value
 
@@ -502,46 +431,3 @@ def _call_distillation_loss(loss, teacher, student, sample_weight, chunk_size):
     if isinstance(loss, LogitsDivergence):
         return loss.compute_loss(teacher, student, sample_weight=sample_weight, chunk_size=chunk_size)
     return loss.compute_loss(teacher, student)
-
-
-def _check_fusable_student_loss(loss):
-    config = loss.get_config() if isinstance(loss, keras.losses.SparseCategoricalCrossentropy) else None
-    if not config or not config.get("from_logits") or config.get("ignore_class") is not None or loss.reduction != "sum_over_batch_size":
-        raise ValueError(
-            "`loss`: with `head`, the student loss is computed from the hidden states as sparse categorical "
-            "cross-entropy from logits; compile with loss=keras.losses.SparseCategoricalCrossentropy("
-            f"from_logits=True) (no ignore_class: give a sample_weight); got {loss!r}."
-        )
-
-
-class _FeatureExtractors:
-    """Intermediate outputs for distillation losses that name layers
-    (`FeatureDistillation(teacher_layer_name=..., student_layer_name=...)`),
-    from models built with public Keras (`layer.output`); not tracked by the
-    Distiller, whose teacher and student own the layers."""
-
-    def __init__(self, teacher, student, losses):
-        self.losses = [loss for loss in losses if getattr(loss, "teacher_layer_name", None) or getattr(loss, "student_layer_name", None)]
-        self.models = {}
-        for side, model in (("teacher", teacher), ("student", student)):
-            names = sorted({getattr(loss, f"{side}_layer_name") for loss in self.losses} - {None})
-            if names:
-                outputs = {n: model.get_layer(n).output for n in names}
-                outputs["final_output"] = model.output
-                self.models[side] = keras.Model(model.input, outputs, name=f"{model.name}_features")
-
-    def __call__(self, x, teacher_output, student_output):
-        """loss -> (teacher features, student features) for the losses that
-        name layers; a side that names none gets the model's output."""
-        if not self.losses:
-            return {}
-        outputs = {side: model(x, training=side == "student") for side, model in self.models.items()}
-        finals = {"teacher": teacher_output, "student": student_output}
-        pairs = {}
-        for loss in self.losses:
-            pair = []
-            for side in ("teacher", "student"):
-                name = getattr(loss, f"{side}_layer_name")
-                pair.append(outputs[side][name] if name else finals[side])
-            pairs[loss] = tuple(pair)
-        return pairs

@@ -84,10 +84,28 @@ def gradient_norms(
     >>> round(norms["l2"], 4), round(norms["total"], 4)  # one sample: ‖2x‖ = 10
     (10.0, 10.0)
     """
-    if not all(hasattr(objective, a) for a in ("terms", "term_value", "compute")):
+    if not hasattr(objective, "gradient_functions"):
         raise TypeError(f"`objective` must be a CompositeObjective; got {objective!r}.")
     if base_loss is not None:
         _check_callable("base_loss", base_loss)
+    return function_norms(objective.gradient_functions(base_loss), inputs)
+
+
+def function_norms(functions: dict[str, Callable[[Any], Tensor]], inputs: Any) -> dict[str, float]:
+    """‖∂fᵢ/∂inputs‖₂ for each scalar function of `functions` (name → fn),
+    over every tensor of `inputs` (a tensor, list or dict), as floats.
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.gradients import function_norms
+    >>> function_norms({"sq": lambda x: ops.sum(ops.square(x))}, [3.0, 4.0])  # ‖2x‖ = 10
+    {'sq': 10.0}
+    """
+    if not isinstance(functions, dict):
+        raise TypeError(f"`functions` must be a dict of name -> callable; got {functions!r}.")
+    for name, fn in functions.items():
+        _check_callable(f"functions[{name!r}]", fn)
     flat = [_as_float(t) for t in keras.tree.flatten(inputs)]
 
     def pack(tensors: Sequence[Tensor]) -> Any:
@@ -97,17 +115,7 @@ def gradient_norms(
         grads = _gradients(lambda *ts: fn(pack(ts)), flat)
         return float(ops.convert_to_numpy(ops.sqrt(sum(ops.sum(ops.square(g)) for g in grads))))
 
-    norms = {
-        name: norm(lambda x, name=name: objective.term_value(name, x))
-        for name, term in objective.terms.items()
-        if term.enabled
-    }
-    if base_loss is None:
-        norms["total"] = norm(lambda x: objective.compute(x)[0])
-    else:
-        norms["base_loss"] = norm(base_loss)
-        norms["total"] = norm(lambda x: objective.compute(x)[0] + base_loss(x))
-    return norms
+    return {name: norm(fn) for name, fn in functions.items()}
 
 
 def gradient_penalty(

@@ -1,12 +1,7 @@
-"""Composition: named, weighted penalty terms as one objective.
-
-- `CompositeObjective`: a pass-through layer that `add_loss`es Σ wᵢ·termᵢ of
-  the tensors flowing through it, and keeps each term's running value.
-- `CompositeLoss` (public as `keras_penalties.losses.CompositeLoss`): the
-  same for `compile(loss=)`, on (y_true, y_pred, sample_weight).
-
-Both are thin siblings over `keras_penalties.terms`: the `Term`s, how each is
-evaluated, and the weight state with its weighted total (`Composite`).
+"""`CompositeObjective`: a pass-through layer that `add_loss`es Σ wᵢ·termᵢ
+of the tensors flowing through it, and keeps each term's running value.
+Its weights and weighted total are `_composite.Composite`'s, shared with
+`keras_penalties.losses.CompositeLoss`.
 
 Weights, enabled flags, the step count that drives schedules and the running
 per-term values live in non-trainable variables, not Python floats: a change
@@ -24,7 +19,6 @@ multiplied by the replicas, a per-sample mean is not), and the running values
 combine across replicas by their mean.
 """
 
-
 import types
 import weakref
 from typing import Any, Callable
@@ -34,20 +28,14 @@ import numpy as np
 from keras import ops
 
 from keras_penalties import _capture, _keras_internals, backend, gradients
-from keras_penalties._term_means import TermMeans
 from keras_penalties._saving import with_hint, without_hint
-from keras_penalties._types import DType, Penalty, Tensor, TensorLike, Weight, Weighting
+from keras_penalties._types import Penalty, Tensor, TensorLike, Weight, Weighting
+from keras_penalties import _validation as check
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.terms import (
-    Composite,
-    Term,
-    as_float32,
-    deserialize_terms,
-    state_variable,
-    weight_state,
-    whole_batch_values,
-)
+from keras_penalties._adapters import as_float32
+from keras_penalties._composite import Composite, WeightState, state_variable, whole_batch_values
+from keras_penalties.terms import Term, deserialize_terms
 
 _TRAIN, _EVAL = 0, 1
 
@@ -103,26 +91,30 @@ class CompositeObjective(Composite, keras.layers.Layer):
     (0.6931, 1.3863)
     """
 
-    def __init__(self, terms: dict[str, Term | Penalty], weights: dict[str, Weight] | None = None,
-                 name: str | None = None, weighting: Weighting = None, weighting_learning_rate_multiplier: float = 1.0,
-                 famo_learning_rate: float = 0.025, famo_gamma: float = 0.01, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        terms: dict[str, Term | Penalty],
+        weights: dict[str, Weight] | None = None,
+        name: str | None = None,
+        weighting: Weighting = None,
+        weighting_learning_rate_multiplier: float = 1.0,
+        famo_learning_rate: float = 0.025,
+        famo_gamma: float = 0.01,
+        **kwargs: Any,
+    ) -> None:
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
-        self._set_terms(
-            terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma)
-        )
+        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma))
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         # The running sums and counts as the last forward pass left them,
         # where the step's metrics are read in a scope of their own (JAX);
         # in a plain holder, which Keras' attribute tracking skips.
-        self._kept = types.SimpleNamespace(running=None)
+        self._kept = types.SimpleNamespace(running=None, model=lambda: None)
         with keras.name_scope(self.name, caller=self):
-            weight_state(self, self.terms, self.weighting)
-            # 1 where set_weight replaced a schedule by a number.
-            self.weight_overridden = state_variable("weight_overridden", np.zeros(len(self.terms)))
+            self._weight_state = WeightState(self, self.terms, self.weighting, overridable=True)
             # Training steps taken: every replica advances it alike.
             self.step = state_variable("step", 0, dtype="int32", local=True)
             # Running sums of each term's unweighted value (then of its
@@ -196,8 +188,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         _capture.record(self, values)
         values = whole_batch_values(values, self._sums_over_samples)
         state = self._pass(training)
-        if training:
-            self._no_weight_decay_on_log_variances()
+        if training and self.log_variances is not None:
+            self._no_weight_decay_on_log_variances(self._training_model())
         # FAMO's state advances once per training step (at a shared
         # objective's first call of the step).
         update = bool(training) and not state["losses"]
@@ -213,6 +205,16 @@ class CompositeObjective(Composite, keras.layers.Layer):
             self._kept.running = backend.keep_for_metrics((self.value_sums, self.value_counts))
         return inputs
 
+    def _training_model(self):
+        """The model training the objective: found once, among the calling
+        frames (Keras hands a layer no model), and kept weakly."""
+        model = self._kept.model()
+        if model is None:
+            model = _keras_internals.calling_model(lambda m, _: getattr(m, "optimizer", None) is not None)
+            if model is not None:
+                self._kept.model = weakref.ref(model)
+        return model
+
     def _model_across_replicas(self):
         """The model whose forward pass this call is part of (whose add_loss
         lists a cross-replica sum must keep)."""
@@ -224,9 +226,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
             term.arguments(name, inputs)
         # The same specs, as new tensors: returning the inputs themselves would
         # make the functional graph a cycle.
-        return keras.tree.map_structure(
-            lambda t: keras.KerasTensor(t.shape, t.dtype, sparse=t.sparse), inputs
-        )
+        return keras.tree.map_structure(lambda t: keras.KerasTensor(t.shape, t.dtype, sparse=t.sparse), inputs)
 
     def compute(self, inputs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """`(total, values)` for `inputs`, with no side effects.
@@ -245,6 +245,25 @@ class CompositeObjective(Composite, keras.layers.Layer):
             values = self._values(floats)
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
+
+    def gradient_functions(
+        self, base_loss: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Callable[[Any], Tensor]]:
+        """Scalar functions of the objective's inputs whose gradient norms
+        `keras_penalties.gradients.gradient_norms` reports: each enabled
+        term's unweighted value, `"base_loss"` (with `base_loss`) and
+        `"total"`, Σ wᵢ·termᵢ over the enabled terms (plus `base_loss`)."""
+
+        def term(name: str) -> Callable[[Any], Tensor]:
+            return lambda x: self.term_value(name, x)
+
+        functions = {name: term(name) for name, t in self.terms.items() if t.enabled}
+        if base_loss is None:
+            functions["total"] = lambda x: self.compute(x)[0]
+        else:
+            functions["base_loss"] = base_loss
+            functions["total"] = lambda x: self.compute(x)[0] + base_loss(x)
+        return functions
 
     # ------------------------------------------------------------ reporting
 
@@ -304,13 +323,16 @@ class CompositeObjective(Composite, keras.layers.Layer):
                 isinstance(base_loss, (int, float, np.number)) or hasattr(base_loss, "shape")
             ):
                 raise TypeError(f"`base_loss` must be None, a scalar or a callable of `inputs`; got {base_loss!r}.")
-        grad_norms = num.boolean("grad_norms", grad_norms)
+        grad_norms = check.boolean("grad_norms", grad_norms)
         total, values = self.compute(inputs)
         weights = ops.convert_to_numpy(self.current_weights())
         base = base_loss(inputs) if callable(base_loss) else base_loss
         base_value = None if base is None else float(ops.convert_to_numpy(base))
-        norms = gradients.gradient_norms(self, inputs, base_loss=base_loss if callable(base_loss) else None) if grad_norms else {}
-        metrics = dict(zip(self.metric_keys, (float(ops.convert_to_numpy(v)) for v in self._metric_values(as_float32(inputs)))))
+        functions = self.gradient_functions(base_loss if callable(base_loss) else None)
+        norms = gradients.function_norms(functions, inputs) if grad_norms else {}
+        metrics = dict(
+            zip(self.metric_keys, (float(ops.convert_to_numpy(v)) for v in self._metric_values(as_float32(inputs))))
+        )
         regularizers = {}
         for i, name in enumerate(self.terms):
             if name not in values:
@@ -341,202 +363,3 @@ class CompositeObjective(Composite, keras.layers.Layer):
     def from_config(cls, config: dict[str, Any]) -> "CompositeObjective":
         config = without_hint(config)
         return cls(**{**config, "terms": deserialize_terms(config["terms"])})
-
-
-class LossState(keras.layers.Layer):
-    """The variables of a `CompositeLoss`: its term weights and enabled flags
-    (float32, never autocast) and, with `weighting="uncertainty"`, the
-    trainable log-variances, or with `weighting="famo"` FAMO's state. Keras gives a loss no model, so the loss adds this
-    layer to the model that compiles it (see `CompositeLoss.attach`); its
-    variables then travel in the model's training state like a layer's, and
-    `.keras` files save them with the loss."""
-
-    def __init__(self, terms, weighting, name):
-        super().__init__(name=name, trainable=True, autocast=False)
-        weight_state(self, terms, weighting)
-        self.built = True
-
-    def call(self, inputs):
-        return inputs
-
-
-def _computes(loss):
-    # Keras calls a compiled loss from its model's compute_loss only.
-    return lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
-
-
-def _loading(model, function):
-    # A .keras file's compile config is deserialized inside
-    # Model.compile_from_config, which builds the optimizer right after
-    # compiling: the variables must be the model's by then.
-    return function == "compile_from_config"
-
-
-# Registered as "keras_penalties.losses>CompositeLoss", the name .keras files
-# saved before it moved here hold; public as keras_penalties.losses.CompositeLoss.
-@keras.saving.register_keras_serializable(package="keras_penalties.losses")
-class CompositeLoss(Composite, keras.losses.Loss):
-    """A weighted sum of named losses: Σ wᵢ·lossᵢ(y_true, y_pred).
-
-    Each term reduces itself (with its own `reduction`, the sample weights and
-    the mask), so the total is what compiling each loss with `loss_weights`
-    would give. Terms are computed in float32 (also from half-precision
-    predictions) and the total is the loss's `dtype`. Under
-    `tf.distribute.MirroredStrategy` the total and the reported values equal
-    the one-device ones: a per-sample mean is divided by the replicas as
-    Keras' own losses are, a sum over samples is not. With `PenaltyMonitor` in `fit`'s callbacks, each term's
-    unweighted batch value appears in the logs as `"<loss name>/<term>"`.
-
-    Weights live in variables: `set_weight`, `enable` and `disable` (from a
-    callback, as for a `CompositeObjective`) take effect on the next step of
-    a compiled `fit` without retracing, on every backend. Keras gives a loss
-    no reference to its model, so the loss adds its variables (a `LossState`
-    layer) to the model that compiles it when that model first computes it:
-    `model.weights` then lists them, and `model.layers` of a subclassed model
-    shows the layer.
-
-    Args:
-        terms: dict name → `keras.losses.Loss`, or a `Term` over a Loss or an
-            ops function. An ops function is called as
-            `fn(y_true, y_pred, **options)` when its signature takes two
-            tensors (`kl_divergence`, `js_divergence`, `consistency`,
-            `cross_entropy`, `gaussian_kl`), else `fn(y_pred, **options)`.
-            One with a `reduction` option is reduced as a Loss term is: its
-            per-sample values meet `sample_weight` and the Keras mask, then
-            its `"mean"` (the default) or `"sum"` over samples. A batch
-            statistic (`kl_sparsity`, `orthogonality`, …) must return a
-            scalar and sees neither.
-        weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
-            need the step count that a `CompositeObjective` layer carries:
-            use one for them.
-        weighting: None, `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
-            trainable sᵢ per term, trained by the model's optimizer without
-            its weight decay, or `"famo"`: Σ cᵢzᵢ·log Dᵢ (see
-            `CompositeObjective`).
-        weighting_learning_rate_multiplier: scales the gradients of the sᵢ
-            (see `CompositeObjective`).
-        famo_learning_rate, famo_gamma: with `weighting="famo"` (see
-            `CompositeObjective`; FAMO's logits move at `fit`'s training
-            steps only, not in `evaluate`).
-        name, dtype: as for any `keras.losses.Loss`.
-
-    Example:
-
-    >>> import keras
-    >>> from keras_penalties.losses import CompositeLoss, Entropy
-    >>> loss = CompositeLoss(
-    ...     {"ce": keras.losses.CategoricalCrossentropy(from_logits=True),
-    ...      "ent": Entropy(from_logits=True, mode="bonus")},
-    ...     weights={"ce": 1.0, "ent": 0.01})
-    >>> round(float(loss([[1.0, 0.0]], [[0.0, 0.0]])), 4)  # ln 2 − 0.01·ln 2
-    0.6862
-    """
-
-    def __init__(self, terms: dict[str, Term | Penalty], weights: dict[str, float] | None = None,
-                 name: str = "composite_loss", dtype: DType = None, weighting: Weighting = None,
-                 weighting_learning_rate_multiplier: float = 1.0, famo_learning_rate: float = 0.025,
-                 famo_gamma: float = 0.01) -> None:
-        super().__init__(name=name, dtype=dtype)
-        self._set_terms(
-            terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma)
-        )
-        for term_name, term in self.terms.items():
-            if term.scheduled:
-                raise ValueError(
-                    f"Term {term_name!r}: CompositeLoss weights are numbers; a schedule needs "
-                    "per-step state, which a CompositeObjective layer carries."
-                )
-            if term.inputs is not None:
-                raise ValueError(
-                    f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
-                    "`inputs` applies to CompositeObjective."
-                )
-        self.state = LossState(self.terms, self.weighting, name=f"{self.name}_state")
-        self.tracker = TermMeans(self.name, self.reported_keys)
-        # Set by PenaltyMonitor once the tracker is one of the model's metrics.
-        self.tracker_registered = False
-        self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
-        model = _keras_internals.calling_model(_loading)
-        if model is not None:
-            self.attach(model)
-
-    @property
-    def term_weights(self) -> keras.Variable:
-        return self.state.term_weights
-
-    @property
-    def term_enabled(self) -> keras.Variable:
-        return self.state.term_enabled
-
-    @property
-    def log_variances(self) -> keras.Variable | None:
-        return self.state.log_variances
-
-    def _weight_owner(self):
-        return self.state
-
-    def attach(self, model: keras.Model) -> bool:
-        """Adds the loss's variables to `model` (once); returns whether they
-        were new to it. The loss does so itself when `model` first computes
-        it (its symbolic build, at the start of `fit`/`evaluate`, before the
-        optimizer is built) or compiles it from a `.keras` file, and the
-        package's callbacks do in `set_model`."""
-        self._attached = [ref for ref in self._attached if ref() is not None]
-        if any(ref() is model for ref in self._attached):
-            return False
-        self._attached.append(weakref.ref(model))
-        if any(v is self.term_weights for v in model.variables):
-            return False
-        _keras_internals.add_sublayer(model, self.state)
-        return True
-
-    def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
-        if not self._attached:
-            model = _keras_internals.calling_model(_computes(self))
-            if model is not None:
-                self.attach(model)
-        self._no_weight_decay_on_log_variances()
-        tensors = [t for t in (y_true, y_pred) if ops.is_tensor(t)]
-        with num.sharing(tensors), reductions.global_token_means(self._model_across_replicas()):
-            values = backend.stack(
-                [term.loss_value(name, y_true, y_pred, sample_weight) for name, term in self.terms.items()]
-            )
-        values = whole_batch_values(values, self._sums_over_samples)
-        _capture.record(self, values)
-        if self.tracker_registered:
-            # The tracker's sums add up over replicas and steps; its count
-            # too, so it reports the mean of the replicas' values.
-            tracked = values
-            if self.metric_keys:
-                y_true, y_pred = as_float32(y_true), as_float32(y_pred)
-                metrics = [v for term in self.terms.values() for v in term.loss_metric_values(y_true, y_pred)]
-                tracked = ops.concatenate([values, ops.stack(metrics)])
-            self.tracker.update_state(tracked)
-        total = self._total(values, update=self.weighting == "famo" and _keras_internals.in_train_step())
-        divisor = backend.loss_replicas()
-        if divisor > 1:
-            # As Keras' own losses do: the replicas' gradients are summed.
-            total = total / float(divisor)
-        return ops.cast(total, self.dtype)
-
-    def _model_across_replicas(self):
-        """Under several tf.distribute replicas, the model computing this loss
-        (whose add_loss lists a cross-replica sum must keep: Keras reads them
-        after the loss); else None."""
-        if backend.replicas_in_sync() == 1:
-            return None
-        model = _keras_internals.calling_model(_computes(self))
-        return model if model is not None else next((m for m in (r() for r in self._attached) if m is not None), None)
-
-    def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
-        return self(y_true, y_pred)
-
-    def get_config(self) -> dict[str, Any]:
-        return with_hint({"name": self.name, "dtype": self.dtype, **self._composite_config()})
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "CompositeLoss":
-        config = without_hint(config)
-        return cls(**{**config, "terms": deserialize_terms(config["terms"])})
-
-__all__ = ["CompositeObjective", "CompositeLoss", "Term"]

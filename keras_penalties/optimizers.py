@@ -29,9 +29,9 @@ import keras
 from keras import ops
 
 from keras_penalties import _keras_internals, backend, regularizers
+from keras_penalties import _validation as check
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import Tensor
-from keras_penalties.ops import _numerics as num
 
 _PACKAGE = "keras_penalties"
 # The inner optimizer: an instance, or a name `keras.optimizers.get` resolves.
@@ -49,8 +49,7 @@ def _check_optimizer(optimizer):
             raise ValueError(f"`optimizer`: {error}") from None
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
-            f"`optimizer` must be a keras.optimizers.Optimizer instance (or a name "
-            f"such as 'adam'); got {optimizer!r}."
+            f"`optimizer` must be a keras.optimizers.Optimizer instance (or a name such as 'adam'); got {optimizer!r}."
         )
     return optimizer
 
@@ -119,7 +118,9 @@ class _Wrapper(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list: list[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def apply(self, grads: Sequence[Tensor | None], trainable_variables: Sequence[keras.Variable] | None = None) -> None:
+    def apply(
+        self, grads: Sequence[Tensor | None], trainable_variables: Sequence[keras.Variable] | None = None
+    ) -> None:
         if trainable_variables is None:
             if not self.built:
                 raise ValueError(
@@ -169,7 +170,9 @@ class _Wrapper(keras.optimizers.Optimizer):
         return {"exclude": list(self.exclude)}
 
     @classmethod
-    def from_config(cls: type[_Wrapped], config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> _Wrapped:
+    def from_config(
+        cls: type[_Wrapped], config: dict[str, Any], custom_objects: dict[str, Any] | None = None
+    ) -> _Wrapped:
         config = without_hint(config)
         optimizer = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **cls._deserialize_options(config, custom_objects))
@@ -301,10 +304,7 @@ class _GradientTransform(_Wrapper):
         self._inner_apply(grads, variables)
 
     def _transform_all(self, grads, variables):
-        return [
-            g if g is None or not self._included(v) else self._transform(g, v)
-            for g, v in zip(grads, variables)
-        ]
+        return [g if g is None or not self._included(v) else self._transform(g, v) for g, v in zip(grads, variables)]
 
 
 def _axes_but_last(x):
@@ -349,9 +349,9 @@ class GradientNoise(_GradientTransform):
         seed: int | None = None,
         name: str | None = None,
     ) -> None:
-        stddev = num.non_negative("stddev", stddev)
-        decay = num.non_negative("decay", decay)
-        seed = None if seed is None else num.integer("seed", seed)
+        stddev = check.non_negative("stddev", stddev)
+        decay = check.non_negative("decay", decay)
+        seed = None if seed is None else check.integer("seed", seed)
         super().__init__(optimizer, name=name)
         self.stddev, self.decay, self.seed = stddev, decay, seed
 
@@ -424,15 +424,17 @@ class AdaptiveGradientClipping(_GradientTransform):
         exclude: _Exclude = None,
         name: str | None = None,
     ) -> None:
-        clip_factor = num.non_negative("clip_factor", clip_factor)
-        eps = num.non_negative("eps", eps)
+        clip_factor = check.non_negative("clip_factor", clip_factor)
+        eps = check.non_negative("eps", eps)
         super().__init__(optimizer, exclude=exclude, name=name)
         self.clip_factor, self.eps = clip_factor, eps
 
     def _transform_all(self, grads, variables):
         clipped = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and self._included(v)]
         out = list(grads)
-        new = backend.unit_clip([grads[i] for i in clipped], [variables[i].value for i in clipped], self.clip_factor, self.eps)
+        new = backend.unit_clip(
+            [grads[i] for i in clipped], [variables[i].value for i in clipped], self.clip_factor, self.eps
+        )
         for i, g in zip(clipped, new):
             out[i] = g
         return out

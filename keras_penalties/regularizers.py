@@ -18,21 +18,22 @@ statistic and is multiplied by the batch size, so the layer adds exactly
 factor × the KL sparsity penalty.
 """
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import keras
 from keras import ops
 
+from keras_penalties import _validation as check
+from keras_penalties import backend
 from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import Center, EntropyMode, OrthogonalityAxis, OrthogonalityMode, Tensor, TensorLike
-from keras_penalties.ops import _numerics as num
 
 _PACKAGE = "keras_penalties.regularizers"
 
 # The sign each Entropy `mode` puts on H; losses.Entropy uses the same table.
 ENTROPY_MODES = {"penalty": 1.0, "bonus": -1.0}
-check_entropy_mode = num.choice(*ENTROPY_MODES)
+check_entropy_mode = check.choice(*get_args(EntropyMode))
 _Regularizer = TypeVar("_Regularizer", bound="_PenaltyRegularizer")
 
 
@@ -41,7 +42,7 @@ def _factor(value: Any) -> float:
     a finite number >= 0 is a `ValueError` (SPEC §2), a string, None or a
     list included (`keras.regularizers.L1("a")` raises `ValueError` too)."""
     try:
-        return num.non_negative("factor", value)
+        return check.non_negative("factor", value)
     except TypeError as error:
         raise ValueError(str(error)) from None
 
@@ -63,7 +64,7 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
 
     def __call__(self, x: TensorLike) -> Tensor:
         x = ops.convert_to_tensor(x)
-        if num.is_half(x.dtype):
+        if backend.is_half(x.dtype):
             # Mixed precision: a loss contribution is float32, and the sum
             # must not overflow (or round) in half precision before the
             # factor scales it down (L1(1e-4) of 131072 float16 ones is 13.1).

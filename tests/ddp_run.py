@@ -56,11 +56,17 @@ def regression(process, processes):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
-    hidden = CompositeObjective({"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj")(hidden)
+    hidden = CompositeObjective(
+        {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
+    )(hidden)
     model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
-    optimizer = opt.ProximalDecay(opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3))
+    optimizer = opt.ProximalDecay(
+        opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
+    )
     optimizer.build(model.trainable_variables)
-    head = CompositeObjective({"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head")
+    head = CompositeObjective(
+        {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
+    )
     forward = torch.nn.parallel.DistributedDataParallel(model) if processes > 1 else model
     x, y, mask = (torch.tensor(local_rows(a, process, processes)) for a in (X, Y, MASK))
     per = BATCH // processes
@@ -98,8 +104,14 @@ def distiller(process, processes):
         return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
 
     model = Distiller(
-        lm("teacher", 1), lm("student", 2), [LogitsDivergence(temperature=2.0, name="kd")], [4.0],
-        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4,
+        lm("teacher", 1),
+        lm("student", 2),
+        [LogitsDivergence(temperature=2.0, name="kd")],
+        [4.0],
+        student_loss_weight=0.4,
+        head="embedding",
+        teacher_head="embedding",
+        chunk_size=4,
     )
     model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     variables = model.student.trainable_variables
@@ -124,7 +136,9 @@ def main(role, *args):
     process, processes = 0, 1
     if role == "worker":
         process, processes = int(args[1]), 2
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://localhost:{args[0]}", rank=process, world_size=processes)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://localhost:{args[0]}", rank=process, world_size=processes
+        )
     results = {**regression(process, processes), **distiller(process, processes)}
     print(json.dumps(results))
     if processes > 1:

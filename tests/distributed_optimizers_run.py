@@ -62,9 +62,7 @@ def main():
         one = train(make, contextlib.nullcontext())
         devices, scope = two_devices()
         two = train(make, scope)
-        differences[name] = max(
-            float(np.max(np.abs(a - b) / (np.abs(a) + 1e-3))) for a, b in zip(one, two)
-        )
+        differences[name] = max(float(np.max(np.abs(a - b) / (np.abs(a) + 1e-3))) for a, b in zip(one, two))
     print(json.dumps({"devices": devices, "differences": differences}))
 
 

@@ -108,7 +108,9 @@ def train():
     for i, entry in enumerate(monitor.history):
         results.update({f"probe{i}/{k}": v for k, v in entry.items()})
     for i, entry in enumerate(gradnorm.history):
-        results.update({f"gradnorm{i}/{part}": list(entry[part].values()) for part in ("values", "grad_norms", "weights")})
+        results.update(
+            {f"gradnorm{i}/{part}": list(entry[part].values()) for part in ("values", "grad_norms", "weights")}
+        )
     results["log_variances"] = keras.ops.convert_to_numpy(model.get_layer("uobj").log_variances).tolist()
     results["step"] = int(keras.ops.convert_to_numpy(model.get_layer("obj").step))
     return results
@@ -125,7 +127,9 @@ def _famo_model():
     model = keras.Model(inputs, keras.layers.Dense(4, name="famo_out")(hidden))
     loss = L.CompositeLoss(
         {"mse": keras.losses.MeanSquaredError(), "mae_sum": keras.losses.MeanAbsoluteError(reduction="sum")},
-        weighting="famo", famo_learning_rate=0.1, name="floss",
+        weighting="famo",
+        famo_learning_rate=0.1,
+        name="floss",
     )
     model.compile(keras.optimizers.SGD(0.01), loss=loss)
     return model, loss
@@ -165,19 +169,34 @@ def train_distiller():
     def lm(name, seed):
         keras.utils.set_random_seed(seed)
         tokens = keras.Input((TOKENS,), dtype="int32")
-        embedding = keras.layers.ReversibleEmbedding(VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding")
-        hidden = keras.layers.Dense(6, activation="tanh", kernel_regularizer=R.L2(0.01), name="dense_a")(embedding(tokens))
+        embedding = keras.layers.ReversibleEmbedding(
+            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
+        )
+        hidden = keras.layers.Dense(6, activation="tanh", kernel_regularizer=R.L2(0.01), name="dense_a")(
+            embedding(tokens)
+        )
         return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
 
     distiller = Distiller(
-        lm("teacher", 1), lm("student", 2),
-        [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.3, name="js")], [4.0, 1.0],
-        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4 if BACKEND == "jax" else 3,
+        lm("teacher", 1),
+        lm("student", 2),
+        [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.3, name="js")],
+        [4.0, 1.0],
+        student_loss_weight=0.4,
+        head="embedding",
+        teacher_head="embedding",
+        chunk_size=4 if BACKEND == "jax" else 3,
     )
     distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = distiller.fit(LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    evaluation = distiller.evaluate(LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, verbose=0, return_dict=True)
-    results = {"distiller/predictions": np.asarray(distiller.student.predict(LM_TOKENS, batch_size=BATCH, verbose=0)).tolist()}
+    history = distiller.fit(
+        LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, epochs=2, shuffle=False, verbose=0
+    )
+    evaluation = distiller.evaluate(
+        LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, verbose=0, return_dict=True
+    )
+    results = {
+        "distiller/predictions": np.asarray(distiller.student.predict(LM_TOKENS, batch_size=BATCH, verbose=0)).tolist()
+    }
     results.update({f"distiller/history/{k}": v for k, v in history.history.items()})
     results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
     return results
@@ -198,21 +217,27 @@ def train_token_objective():
     tokens = keras.Input((TOKENS,), dtype="int32", name="tokens")
     labels = keras.Input((TOKENS,), dtype="int32", name="labels")
     mask = keras.Input((TOKENS,), name="mask")
-    hidden = keras.layers.Embedding(VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="tok_embedding")(tokens)
+    hidden = keras.layers.Embedding(
+        VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="tok_embedding"
+    )(tokens)
     hidden = keras.layers.Dense(6, activation="tanh", activity_regularizer=R.L2(0.01), name="tok_body")(hidden)
     head = keras.layers.Dense(VOCAB, name="tok_head")
     logits = head(hidden)
 
     def fused(masked):
         def cross_entropy(hidden, labels, mask):
-            return P.cross_entropy(labels, P.linear(hidden, head.kernel, head.bias), mask=mask if masked else None, chunk_size=4)
+            return P.cross_entropy(
+                labels, P.linear(hidden, head.kernel, head.bias), mask=mask if masked else None, chunk_size=4
+            )
 
         return Term(cross_entropy, 0.1, inputs=("hidden", "labels", "mask"))
 
     objective = CompositeObjective(
         {
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
-            "ent_chunked": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}),
+            "ent_chunked": Term(
+                "entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}
+            ),
             "ce_fused": fused(True),
             "ce_fused_all": fused(False),
         },
@@ -222,7 +247,12 @@ def train_token_objective():
     model = keras.Model([tokens, labels, mask], outputs)
     model.compile(keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(
-        [LM_TOKENS, LM_LABELS, LM_WEIGHTS], LM_LABELS, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+        [LM_TOKENS, LM_LABELS, LM_WEIGHTS],
+        LM_LABELS,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         callbacks=[PenaltyMonitor()],
     )
     results = {f"tokens/history/{k}": v for k, v in history.history.items()}

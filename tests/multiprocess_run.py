@@ -55,7 +55,8 @@ def build():
     hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01), name="dense_a")(inputs)
     hidden = CompositeObjective(
         {"l2": Term("l2"), "ent": Term("entropy", options={"from_logits": True, "chunk_size": 2})},
-        weighting="uncertainty", name="uobj",
+        weighting="uncertainty",
+        name="uobj",
     )(hidden)
     hidden = keras.layers.Dense(8, name="dense_b")(hidden)
     hidden = CompositeObjective(
@@ -68,9 +69,13 @@ def build():
     )(hidden)
     model = keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
     loss = L.CompositeLoss(
-        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo", name="closs"
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+        weighting="famo",
+        name="closs",
     )
-    optimizer = opt.ProximalDecay(opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3))
+    optimizer = opt.ProximalDecay(
+        opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
+    )
     model.compile(optimizer, loss=loss)
     return model
 
@@ -106,13 +111,23 @@ def train_distiller(process, processes):
         return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
 
     distiller = Distiller(
-        lm("teacher", 1), lm("student", 2), [LogitsDivergence(temperature=2.0, name="kd")], [4.0],
-        student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4,
+        lm("teacher", 1),
+        lm("student", 2),
+        [LogitsDivergence(temperature=2.0, name="kd")],
+        [4.0],
+        student_loss_weight=0.4,
+        head="embedding",
+        teacher_head="embedding",
+        chunk_size=4,
     )
     distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rows = [local_rows(a, process, processes) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
-    history = distiller.fit(*rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0)
-    evaluation = distiller.evaluate(*rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, verbose=0, return_dict=True)
+    history = distiller.fit(
+        *rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0
+    )
+    evaluation = distiller.evaluate(
+        *rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, verbose=0, return_dict=True
+    )
     results = {f"distiller/history/{k}": v for k, v in history.history.items()}
     results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
     results.update({f"distiller/weights/{i}": w.tolist() for i, w in enumerate(distiller.student.get_weights())})
@@ -124,7 +139,9 @@ def main(role, *args):
     if role == "worker":
         port, process, processes = int(args[0]), int(args[1]), int(args[2])
         keras.distribution.initialize(job_addresses=f"localhost:{port}", num_processes=processes, process_id=process)
-        distribution = keras.distribution.DataParallel(devices=keras.distribution.list_devices(), auto_shard_dataset=False)
+        distribution = keras.distribution.DataParallel(
+            devices=keras.distribution.list_devices(), auto_shard_dataset=False
+        )
         keras.distribution.set_distribution(distribution)
     results = {**train(process, processes), **train_distiller(process, processes)}
     results["devices"] = len(keras.distribution.list_devices())

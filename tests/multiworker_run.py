@@ -24,7 +24,10 @@ import sys
 if __name__ == "__main__" and sys.argv[1] == "worker":
     port0, port1, index = sys.argv[2:5]
     os.environ["TF_CONFIG"] = json.dumps(
-        {"cluster": {"worker": [f"localhost:{port0}", f"localhost:{port1}"]}, "task": {"type": "worker", "index": int(index)}}
+        {
+            "cluster": {"worker": [f"localhost:{port0}", f"localhost:{port1}"]},
+            "task": {"type": "worker", "index": int(index)},
+        }
     )
 
 try:
@@ -63,9 +66,13 @@ def regression(strategy, process, processes):
         keras.utils.set_random_seed(1)
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
-        hidden = CompositeObjective({"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj")(hidden)
+        hidden = CompositeObjective(
+            {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
+        )(hidden)
         model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
-        optimizer = opt.ProximalDecay(opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3))
+        optimizer = opt.ProximalDecay(
+            opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
+        )
         optimizer.build(model.trainable_variables)
         head = CompositeObjective(
             {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
@@ -112,8 +119,14 @@ def distiller(strategy, process, processes):
 
     with strategy.scope():
         model = Distiller(
-            lm("teacher", 1), lm("student", 2), [LogitsDivergence(temperature=2.0, name="kd")], [4.0],
-            student_loss_weight=0.4, head="embedding", teacher_head="embedding", chunk_size=4,
+            lm("teacher", 1),
+            lm("student", 2),
+            [LogitsDivergence(temperature=2.0, name="kd")],
+            [4.0],
+            student_loss_weight=0.4,
+            head="embedding",
+            teacher_head="embedding",
+            chunk_size=4,
         )
         model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.optimizer.build(model.student.trainable_variables)
@@ -134,7 +147,10 @@ def distiller(strategy, process, processes):
         for start in range(0, len(rows[0]), per):
             loss = step(*(tf.constant(a[start : start + per]) for a in rows))
             losses.append(float(strategy.reduce("SUM", loss, axis=None)))
-    weights = {f"distiller/weights/{i}": np.asarray(v.numpy()).tolist() for i, v in enumerate(model.student.trainable_variables)}
+    weights = {
+        f"distiller/weights/{i}": np.asarray(v.numpy()).tolist()
+        for i, v in enumerate(model.student.trainable_variables)
+    }
     return {"distiller/losses": losses, **weights}
 
 

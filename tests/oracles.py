@@ -23,7 +23,9 @@ def _sum_over_batch_size(values):
 
 
 def _reduce(values, reduction):
-    return {"sum": np.sum, "mean": np.mean, "none": np.asarray, "sum_over_batch_size": _sum_over_batch_size}[reduction](values)
+    return {"sum": np.sum, "mean": np.mean, "none": np.asarray, "sum_over_batch_size": _sum_over_batch_size}[reduction](
+        values
+    )
 
 
 def _dist(x, from_logits=False, temperature=1.0, axis=-1):
@@ -237,7 +239,9 @@ def _cases():
         kind = "logits2" if from_logits else "probs2"
         yield from (
             Case("kl_divergence", P.kl_divergence, np_kl_divergence, kind, dict(from_logits=from_logits, **o))
-            for o in _grid(direction=["forward", "reverse", "symmetric"], temperature=[1.0, 2.5, 0.5], reduction=div_reductions)
+            for o in _grid(
+                direction=["forward", "reverse", "symmetric"], temperature=[1.0, 2.5, 0.5], reduction=div_reductions
+            )
         )
         yield from (
             Case("kl_divergence", P.kl_divergence, np_kl_divergence, kind, dict(from_logits=from_logits, axis=1))
@@ -273,8 +277,7 @@ def _cases():
         for o in _grid(target=[1.0, 0.0, 2.5], reduction=div_reductions)
     )
     yield from (
-        Case("kl_sparsity", P.kl_sparsity, np_kl_sparsity, "unit", o)
-        for o in _grid(target=[0.05, 0.3], axis=[None, 1])
+        Case("kl_sparsity", P.kl_sparsity, np_kl_sparsity, "unit", o) for o in _grid(target=[0.05, 0.3], axis=[None, 1])
     )
 
 

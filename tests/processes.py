@@ -42,8 +42,13 @@ def run(commands, env=None, timeout=300.0):
             for i, (command, extra) in enumerate(zip(commands, envs)):
                 out, err = (open(os.path.join(folder, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
                 process = subprocess.Popen(
-                    [sys.executable, "-m", *command], cwd=ROOT, env={**os.environ, **extra},
-                    stdout=out, stderr=err, text=True, start_new_session=True,
+                    [sys.executable, "-m", *command],
+                    cwd=ROOT,
+                    env={**os.environ, **extra},
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                    start_new_session=True,
                 )
                 started.append((process, out, err))
             while any(p.poll() is None for p, _, _ in started):

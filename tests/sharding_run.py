@@ -66,7 +66,9 @@ CASES = {
     # Mixed precision: half-precision hidden states and kernel, each chunk's
     # logits in float32 (SPEC §10).
     "cross_entropy_head_bfloat16": (
-        lambda hidden, kernel, labels, mask: P.cross_entropy(labels, P.linear(hidden, kernel), mask=mask, chunk_size=CHUNK),
+        lambda hidden, kernel, labels, mask: P.cross_entropy(
+            labels, P.linear(hidden, kernel), mask=mask, chunk_size=CHUNK
+        ),
         [_normal(BATCH, TOKENS, HIDDEN).astype(jnp_bfloat16), _normal(HIDDEN, VOCAB).astype(jnp_bfloat16)],
         [LABELS, MASK],
     ),
@@ -74,14 +76,19 @@ CASES = {
         lambda hidden, embedding, teacher_hidden, teacher_embedding, mask: P.kl_divergence(
             P.linear(teacher_hidden, teacher_embedding, transpose_kernel=True),
             P.linear(hidden, embedding, transpose_kernel=True),
-            from_logits=True, temperature=2.0, mask=mask, chunk_size=CHUNK,
+            from_logits=True,
+            temperature=2.0,
+            mask=mask,
+            chunk_size=CHUNK,
         ),
         [_normal(BATCH, TOKENS, HIDDEN), _normal(VOCAB, HIDDEN)],
         [_normal(BATCH, TOKENS, HIDDEN), _normal(VOCAB, HIDDEN), MASK],
     ),
 }
 
-_COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?)\s(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(\(?[^=]*?)\s(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(?:-start)?\("
+)
 _SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
 
 
@@ -113,7 +120,9 @@ def _distribution(setup):
         return distribution, lambda a: Spec("batch") if a.shape[0] == BATCH else Spec()
     shape = (2, 2) if setup == "batch_and_vocabulary_parallel" else (1, 2)
     mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
-    distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch")
+    distribution = keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
+    )
 
     def spec(a):
         if a.shape[0] == BATCH:
@@ -158,7 +167,10 @@ def main(devices="2"):
 
     assert len(jax.devices()) == int(devices), jax.devices()
     if devices == "4":
-        report = {f"batch_and_vocabulary_parallel/{name}": run_case("batch_and_vocabulary_parallel", *CASES[name]) for name in HEADS}
+        report = {
+            f"batch_and_vocabulary_parallel/{name}": run_case("batch_and_vocabulary_parallel", *CASES[name])
+            for name in HEADS
+        }
     else:
         report = {f"data_parallel/{name}": run_case("data_parallel", *case) for name, case in CASES.items()}
         report.update({f"vocabulary_parallel/{name}": run_case("vocabulary_parallel", *CASES[name]) for name in HEADS})

@@ -150,7 +150,9 @@ def test_the_summary_imports_only_the_framework_of_its_results():
         "print(sorted(m for m in ('jax', 'tensorflow', 'torch') if m in sys.modules))"
     )
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[-2] == "['jax']"  # the first backend with results
 

@@ -106,14 +106,20 @@ def test_config_round_trip():
 
 ERRORS = {
     "schedule": (
-        lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"ce": keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)}),
+        lambda: L.CompositeLoss(
+            {"ce": keras.losses.MeanSquaredError()},
+            weights={"ce": keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)},
+        ),
         r"Term 'ce': CompositeLoss weights are numbers",
     ),
     "inputs": (
         lambda: L.CompositeLoss({"kl": Term("kl_divergence", inputs=("a", "b"))}),
         r"Term 'kl': a CompositeLoss term takes \(y_true, y_pred\)",
     ),
-    "negative": (lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"ce": -1.0}), r"Term 'ce': `weight` must be >= 0"),
+    "negative": (
+        lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"ce": -1.0}),
+        r"Term 'ce': `weight` must be >= 0",
+    ),
     "unknown": (lambda: L.CompositeLoss({"ce": keras.losses.MeanSquaredError()}, weights={"x": 1.0}), r"unknown term"),
 }
 
@@ -131,14 +137,18 @@ def test_non_scalar_term_is_an_error():
         loss(np.ones((2, 3), np.float32), np.ones((2, 3), np.float32))
 
 
-# ---------------------------------------------------------------- ops-function terms meet sample weights and masks as Losses do
+# -------------------------------------------------------- ops-function terms meet sample weights and masks as Losses do
 
 _AS_LOSS = {
     # name -> (the ops-function term, the same number as one of our Losses)
-    "kl": (lambda: Term("kl_divergence", options={"from_logits": True, "direction": "reverse"}),
-           lambda: L.KLDivergence(from_logits=True, direction="reverse")),
-    "js": (lambda: Term("js_divergence", options={"from_logits": True, "beta": 0.3}),
-           lambda: L.JSDivergence(from_logits=True, beta=0.3)),
+    "kl": (
+        lambda: Term("kl_divergence", options={"from_logits": True, "direction": "reverse"}),
+        lambda: L.KLDivergence(from_logits=True, direction="reverse"),
+    ),
+    "js": (
+        lambda: Term("js_divergence", options={"from_logits": True, "beta": 0.3}),
+        lambda: L.JSDivergence(from_logits=True, beta=0.3),
+    ),
     "entropy": (lambda: Term("entropy", options={"from_logits": True}), lambda: L.Entropy(from_logits=True)),
 }
 
@@ -181,9 +191,9 @@ def test_ops_function_terms_weigh_per_sample_sums_and_take_both_tensors_where_th
     w = np.array([0.0, 1.0, 2.0, 1.0, 0.5, 3.0], np.float32)
     loss = L.CompositeLoss(
         {
-            "l2": Term("l2"),                                    # per-sample Σx², over the batch size
+            "l2": Term("l2"),  # per-sample Σx², over the batch size
             "l1_sum": Term("l1", options={"reduction": "sum"}),  # Σ over samples of Σ|x|
-            "gauss": Term("gaussian_kl"),                        # gaussian_kl(mean=y_true, log_var=y_pred)
+            "gauss": Term("gaussian_kl"),  # gaussian_kl(mean=y_true, log_var=y_pred)
         },
         weights={"l1_sum": 0.1, "gauss": 0.5},
     )
@@ -196,7 +206,5 @@ def test_ops_function_terms_weigh_per_sample_sums_and_take_both_tensors_where_th
     )
     np.testing.assert_allclose(to_numpy(loss(y_true, y_pred, sample_weight=w)), expected, rtol=1e-5)
     # Unweighted, each term is the ops function's own value.
-    unweighted = (
-        np.mean(np.sum(p64**2, axis=-1)) + 0.1 * np.sum(np.abs(p64)) + 0.5 * np.mean(gauss)
-    )
+    unweighted = np.mean(np.sum(p64**2, axis=-1)) + 0.1 * np.sum(np.abs(p64)) + 0.5 * np.mean(gauss)
     np.testing.assert_allclose(to_numpy(loss(y_true, y_pred)), unweighted, rtol=1e-5)

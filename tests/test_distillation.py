@@ -10,7 +10,6 @@ tied embedding, mixed precision, and a `.keras` round trip.
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 from keras_penalties import regularizers as R
 from keras_penalties.distillation import Distiller, LogitsDivergence
@@ -48,8 +47,14 @@ def _lm(name, head="dense", regularized=False, seed=0):
     # in any implementation is 1e-3 of the value).
     wide = keras.initializers.RandomNormal(stddev=1.5)
     tokens = keras.Input((T,), dtype="int32", name="tokens")
-    tied = keras.layers.ReversibleEmbedding(V, H, embeddings_initializer=wide, name="embedding") if head == "tied" else None
-    hidden = tied(tokens) if tied else keras.layers.Embedding(V, H, embeddings_initializer=wide, name="embedding")(tokens)
+    tied = (
+        keras.layers.ReversibleEmbedding(V, H, embeddings_initializer=wide, name="embedding")
+        if head == "tied"
+        else None
+    )
+    hidden = (
+        tied(tokens) if tied else keras.layers.Embedding(V, H, embeddings_initializer=wide, name="embedding")(tokens)
+    )
     hidden = keras.layers.Dense(
         H, activation="tanh", name="body", kernel_regularizer=R.L2(0.05) if regularized else None
     )(hidden)
@@ -80,10 +85,22 @@ def _kd(teacher_logits, student_logits, weights=WEIGHTS):
     "options, oracle",
     [
         ({}, lambda t, s: O.np_kl_divergence(t, s, True, reduction="none")),
-        ({"direction": "reverse", "temperature": 3.0}, lambda t, s: 9.0 * O.np_kl_divergence(t, s, True, direction="reverse", temperature=3.0, reduction="none")),
-        ({"divergence": "js", "beta": 0.3, "temperature": 0.5}, lambda t, s: 0.25 * O.np_js_divergence(t, s, True, beta=0.3, temperature=0.5, reduction="none")),
-        ({"temperature": 2.0, "scale_by_temperature_squared": False}, lambda t, s: O.np_kl_divergence(t, s, True, temperature=2.0, reduction="none")),
-        ({"direction": "symmetric", "chunk_size": 3}, lambda t, s: O.np_kl_divergence(t, s, True, direction="symmetric", reduction="none")),
+        (
+            {"direction": "reverse", "temperature": 3.0},
+            lambda t, s: 9.0 * O.np_kl_divergence(t, s, True, direction="reverse", temperature=3.0, reduction="none"),
+        ),
+        (
+            {"divergence": "js", "beta": 0.3, "temperature": 0.5},
+            lambda t, s: 0.25 * O.np_js_divergence(t, s, True, beta=0.3, temperature=0.5, reduction="none"),
+        ),
+        (
+            {"temperature": 2.0, "scale_by_temperature_squared": False},
+            lambda t, s: O.np_kl_divergence(t, s, True, temperature=2.0, reduction="none"),
+        ),
+        (
+            {"direction": "symmetric", "chunk_size": 3},
+            lambda t, s: O.np_kl_divergence(t, s, True, direction="symmetric", reduction="none"),
+        ),
     ],
 )
 def test_logits_divergence_matches_numpy_per_kept_token(options, oracle):
@@ -91,12 +108,18 @@ def test_logits_divergence_matches_numpy_per_kept_token(options, oracle):
     loss = LogitsDivergence(**options)
     values = oracle(teacher.astype(np.float64), student.astype(np.float64))
     np.testing.assert_allclose(to_numpy(loss.compute_loss(teacher, student)), values.mean(), rtol=1e-5)
-    np.testing.assert_allclose(to_numpy(loss.compute_loss(teacher, student, sample_weight=WEIGHTS)), _masked_mean(values), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(loss.compute_loss(teacher, student, sample_weight=WEIGHTS)), _masked_mean(values), rtol=1e-5
+    )
     # One weight per sample spreads over its tokens; a trailing axis of 1 is squeezed.
     per_sample = np.array([1, 0, 1, 1, 0, 1, 1, 1], "float32")
     expected = _masked_mean(values, np.broadcast_to(per_sample[:, None], (8, T)))
-    np.testing.assert_allclose(to_numpy(loss.compute_loss(teacher, student, sample_weight=per_sample)), expected, rtol=1e-5)
-    np.testing.assert_allclose(to_numpy(loss.compute_loss(teacher, student, sample_weight=WEIGHTS[..., None])), _masked_mean(values), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(loss.compute_loss(teacher, student, sample_weight=per_sample)), expected, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        to_numpy(loss.compute_loss(teacher, student, sample_weight=WEIGHTS[..., None])), _masked_mean(values), rtol=1e-5
+    )
 
 
 def test_logits_divergence_is_right_alone_or_in_a_list_in_keras_own_distiller():
@@ -130,10 +153,20 @@ def test_logits_divergence_accepts_lazy_logits():
 
 
 def test_logits_divergence_config_round_trip():
-    loss = LogitsDivergence("kl", direction="reverse", beta=0.25, temperature=3.0, scale_by_temperature_squared=False, chunk_size=64, name="rkl")
+    loss = LogitsDivergence(
+        "kl",
+        direction="reverse",
+        beta=0.25,
+        temperature=3.0,
+        scale_by_temperature_squared=False,
+        chunk_size=64,
+        name="rkl",
+    )
     rebuilt = assert_config_round_trip(loss, keras.saving.deserialize_keras_object, "keras_penalties")
     assert (rebuilt.direction, rebuilt.temperature, rebuilt.chunk_size, rebuilt.name) == ("reverse", 3.0, 64, "rkl")
-    auto = assert_config_round_trip(LogitsDivergence(chunk_size="auto"), keras.saving.deserialize_keras_object, "keras_penalties")
+    auto = assert_config_round_trip(
+        LogitsDivergence(chunk_size="auto"), keras.saving.deserialize_keras_object, "keras_penalties"
+    )
     assert auto.chunk_size == "auto"
 
 
@@ -164,19 +197,27 @@ def _distiller(fused=False, head="dense", teacher_head=True, weights=(4.0, 1.0),
     fuse = dict(head=name, teacher_head=name if teacher_head else None, chunk_size=7) if fused else {}
     losses = [LogitsDivergence(temperature=TEMPERATURE, name="kd"), LogitsDivergence("js", beta=0.3)]
     distiller = Distiller(teacher, student, losses, list(weights), student_loss_weight=0.4, **fuse, **kwargs)
-    distiller.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    distiller.compile(
+        optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return distiller
 
 
 def _expected_total(distiller):
     """w·student + (1 − w)·(4·kd + js) + the student's L2, from NumPy and Keras."""
     teacher, student = _np(distiller.teacher), _np(distiller.student)
-    student_loss = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(LABELS, student, sample_weight=WEIGHTS))
+    student_loss = float(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)(LABELS, student, sample_weight=WEIGHTS)
+    )
     kd = _kd(teacher, student)
     js = _masked_mean(O.np_js_divergence(teacher, student, True, beta=0.3, reduction="none"))
     student_model = distiller.student
-    body = to_numpy(keras.Model(student_model.inputs, student_model.get_layer("body").output)(TOKENS)).astype(np.float64)
-    own = 0.05 * np.sum(to_numpy(student_model.get_layer("body").kernel).astype(np.float64) ** 2) + 0.05 * np.mean(body**2)
+    body = to_numpy(keras.Model(student_model.inputs, student_model.get_layer("body").output)(TOKENS)).astype(
+        np.float64
+    )
+    own = 0.05 * np.sum(to_numpy(student_model.get_layer("body").kernel).astype(np.float64) ** 2) + 0.05 * np.mean(
+        body**2
+    )
     return {
         "student_loss": student_loss,
         "distillation/kd": kd,
@@ -215,7 +256,13 @@ def test_compute_loss_outside_fit_includes_the_students_own_losses(fused):
 
 def test_a_single_distillation_loss_keeps_its_weight():
     teacher, student = _lm("teacher", seed=1), _lm("student", seed=2)
-    distiller = Distiller(teacher, student, LogitsDivergence(temperature=TEMPERATURE), distillation_loss_weights=[3.0], student_loss_weight=0.0)
+    distiller = Distiller(
+        teacher,
+        student,
+        LogitsDivergence(temperature=TEMPERATURE),
+        distillation_loss_weights=[3.0],
+        student_loss_weight=0.0,
+    )
     distiller.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     logs = distiller.evaluate(TOKENS, LABELS, batch_size=8, verbose=0, return_dict=True)
     kd = _kd(_np(teacher), _np(student), np.ones((8, T)))
@@ -250,7 +297,9 @@ def test_each_loss_is_logged_by_name_and_feature_losses_still_work():
         ("tied", True, "auto"),
         ("dense", False, "auto"),  # the teacher forms its logits, the student does not
         pytest.param(
-            "tied", True, True,
+            "tied",
+            True,
+            True,
             marks=pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch is torch.compile, not XLA"),
         ),
     ],
@@ -267,7 +316,13 @@ def test_fused_training_equals_unfused(head, teacher_head, jit_compile):
         )
         # Batches of 3, 3 and 2: a partial last batch, rows known at run time on TF.
         history = distiller.fit(
-            TOKENS, LABELS, sample_weight=WEIGHTS, batch_size=3, epochs=2, shuffle=False, verbose=0,
+            TOKENS,
+            LABELS,
+            sample_weight=WEIGHTS,
+            batch_size=3,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
             validation_data=(TOKENS, LABELS, WEIGHTS),
         ).history
         results[fused] = (history, distiller.student.get_weights())
@@ -292,7 +347,9 @@ def test_fused_training_under_mixed_precision(policy):
     histories = {}
     for fused in (False, True):
         distiller = _distiller(fused=fused, head="tied")
-        histories[fused] = distiller.fit(TOKENS, LABELS, sample_weight=WEIGHTS, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+        histories[fused] = distiller.fit(
+            TOKENS, LABELS, sample_weight=WEIGHTS, batch_size=4, epochs=2, shuffle=False, verbose=0
+        ).history
     for key in ("loss", "student_loss", "distillation/kd"):
         assert np.isfinite(histories[True][key]).all(), key
         np.testing.assert_allclose(histories[True][key], histories[False][key], rtol=2e-2, err_msg=key)
@@ -331,11 +388,15 @@ def test_errors_name_the_argument():
         Distiller(teacher, student, kd, head="body")
     with pytest.raises(TypeError, match=r"`head` must be a layer of student or its name"):
         Distiller(teacher, student, kd, head=3)
-    with pytest.raises(ValueError, match=r"`distillation_losses`: .* must be LogitsDivergence; got \['FeatureDistillation'\]"):
+    with pytest.raises(
+        ValueError, match=r"`distillation_losses`: .* must be LogitsDivergence; got \['FeatureDistillation'\]"
+    ):
         Distiller(teacher, student, [kd, keras.distillation.FeatureDistillation()], head="head")
     with pytest.raises(ValueError, match=r"`chunk_size` must be an int >= 1"):
         Distiller(teacher, student, kd, head="head", chunk_size=0)
-    softmax = keras.Model(student.input, keras.layers.Dense(V, activation="softmax", name="probs")(student.get_layer("body").output))
+    softmax = keras.Model(
+        student.input, keras.layers.Dense(V, activation="softmax", name="probs")(student.get_layer("body").output)
+    )
     with pytest.raises(ValueError, match=r"`head`: probs has an activation"):
         Distiller(teacher, softmax, kd, head="probs")
     subclassed = _Subclassed()

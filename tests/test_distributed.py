@@ -34,7 +34,11 @@ def _run(mode):
     env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.distributed_run", mode],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -48,16 +52,42 @@ def test_two_devices_match_one(mode):
     assert report.pop("step")["two"] == 12  # 3 epochs of 4 steps, on every replica
     keys = set(report)
     # Every kind of number is compared, not only some.
-    for key in ("predictions", "history/loss", "history/obj/l1_sum", "history/closs/mae_sum",
-                "history/dense_a/kernel_regularizer", "evaluate/obj/ent", "probe0/total/grad_norm",
-                "probe0/closs/cons/grad_norm", "probe5/base_loss", "probe5/obj/mag/grad_norm",
-                "history/closs/mse/weight", "history/uobj/ent/weight", "history/uobj/ent", "history/obj/l1/l2", "gradnorm5/grad_norms",
-                "gradnorm5/weights", "log_variances", "distiller/predictions", "distiller/history/loss",
-                "distiller/history/distillation/kd", "distiller/history/distillation/js", "distiller/history/student_loss",
-                "distiller/evaluate/total_loss", "famo/loss/famo_logits", "famo/history/floss/mae_sum/weight",
-                "famo/predictions", "tokens/history/tok/ent", "tokens/history/tok/ent_chunked", "tokens/kernel",
-                "tokens/history/tok/ce_fused", "tokens/history/tok/ce_fused_all",
-                "tokens/history/loss", "famo/objective/famo_logits", "famo/history/fobj/l1_sum/weight"):
+    for key in (
+        "predictions",
+        "history/loss",
+        "history/obj/l1_sum",
+        "history/closs/mae_sum",
+        "history/dense_a/kernel_regularizer",
+        "evaluate/obj/ent",
+        "probe0/total/grad_norm",
+        "probe0/closs/cons/grad_norm",
+        "probe5/base_loss",
+        "probe5/obj/mag/grad_norm",
+        "history/closs/mse/weight",
+        "history/uobj/ent/weight",
+        "history/uobj/ent",
+        "history/obj/l1/l2",
+        "gradnorm5/grad_norms",
+        "gradnorm5/weights",
+        "log_variances",
+        "distiller/predictions",
+        "distiller/history/loss",
+        "distiller/history/distillation/kd",
+        "distiller/history/distillation/js",
+        "distiller/history/student_loss",
+        "distiller/evaluate/total_loss",
+        "famo/loss/famo_logits",
+        "famo/history/floss/mae_sum/weight",
+        "famo/predictions",
+        "tokens/history/tok/ent",
+        "tokens/history/tok/ent_chunked",
+        "tokens/kernel",
+        "tokens/history/tok/ce_fused",
+        "tokens/history/tok/ce_fused_all",
+        "tokens/history/loss",
+        "famo/objective/famo_logits",
+        "famo/history/fobj/l1_sum/weight",
+    ):
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}
     assert not bad, {k: (v["rel"], v["one"], v["two"]) for k, v in bad.items()}

@@ -47,7 +47,11 @@ def _public(module):
     if hasattr(module, "__all__"):
         names = module.__all__
     else:
-        names = [n for n, obj in vars(module).items() if not n.startswith("_") and getattr(obj, "__module__", None) == module.__name__]
+        names = [
+            n
+            for n, obj in vars(module).items()
+            if not n.startswith("_") and getattr(obj, "__module__", None) == module.__name__
+        ]
     return {name: getattr(module, name) for name in names if not isinstance(getattr(module, name), str)}
 
 

@@ -60,7 +60,10 @@ def test_gradients_are_the_closed_form():
     from keras_penalties.gradients import _gradients
 
     mu, lv, mu0, lv0 = (t.astype("float32") for t in (MU, LV, MU0, np.broadcast_to(LV0, MU.shape).copy()))
-    grads = _gradients(lambda a, b, c, d: P.gaussian_kl(a, b, c, d, reduction="sum"), [keras.ops.convert_to_tensor(t) for t in (mu, lv, mu0, lv0)])
+    grads = _gradients(
+        lambda a, b, c, d: P.gaussian_kl(a, b, c, d, reduction="sum"),
+        [keras.ops.convert_to_tensor(t) for t in (mu, lv, mu0, lv0)],
+    )
     var, var0 = np.exp(LV), np.exp(np.broadcast_to(LV0, MU.shape))
     expected = [
         (MU - MU0) / var0,
@@ -89,7 +92,9 @@ def test_edges_empty_batch_and_extreme_log_variances():
     extreme = np.array([[30.0, -30.0, 0.0]], "float32")
     value = P.gaussian_kl(np.zeros((1, 3), "float32"), extreme)
     assert_finite(to_numpy(value), "value")
-    (g_mu, g_lv) = _gradients(lambda a, b: P.gaussian_kl(a, b), [keras.ops.zeros((1, 3)), keras.ops.convert_to_tensor(extreme)])
+    (g_mu, g_lv) = _gradients(
+        lambda a, b: P.gaussian_kl(a, b), [keras.ops.zeros((1, 3)), keras.ops.convert_to_tensor(extreme)]
+    )
     assert_finite(to_numpy(g_mu), "d/dmean")
     assert_finite(to_numpy(g_lv), "d/dlog_var")
 
@@ -111,14 +116,14 @@ def test_errors_name_the_argument(call, error, match):
 
 def test_term_by_name_saves_and_loads_without_registration(tmp_path):
     inputs = keras.Input((4,))
-    out = CompositeObjective(
-        {"kl": Term("gaussian_kl", 0.5, inputs=("mean", "log_var"))}, name="vae"
-    )({"mean": keras.layers.Dense(2)(inputs), "log_var": keras.layers.Dense(2)(inputs)})
+    out = CompositeObjective({"kl": Term("gaussian_kl", 0.5, inputs=("mean", "log_var"))}, name="vae")(
+        {"mean": keras.layers.Dense(2)(inputs), "log_var": keras.layers.Dense(2)(inputs)}
+    )
     model = keras.Model(inputs, out["mean"])
     x = RNG.normal(size=(6, 4)).astype("float32")
     loaded = save_and_load(model, tmp_path)
     for m in (model, loaded):
-        layers = [l for l in m.layers if isinstance(l, keras.layers.Dense)]
-        mean, log_var = (to_numpy(l(x)).astype(np.float64) for l in layers)
+        layers = [layer for layer in m.layers if isinstance(layer, keras.layers.Dense)]
+        mean, log_var = (to_numpy(layer(x)).astype(np.float64) for layer in layers)
         total, _ = m.get_layer("vae").compute({"mean": mean.astype("float32"), "log_var": log_var.astype("float32")})
         np.testing.assert_allclose(to_numpy(total), 0.5 * np_gaussian_kl(mean, log_var), rtol=1e-5)

@@ -33,15 +33,20 @@ def test_input_gradient_closed_forms():
 def test_linear_critic_penalty_is_norm_of_w_minus_one_squared():
     expected = (np.linalg.norm(W.astype(np.float64)) - 1.0) ** 2
     np.testing.assert_allclose(to_numpy(gradient_penalty(linear_critic, X)), expected, rtol=1e-5)
-    np.testing.assert_allclose(to_numpy(gradient_penalty(linear_critic, X, target=2.0, reduction="none")),
-                               np.full(6, (np.linalg.norm(W) - 2.0) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(gradient_penalty(linear_critic, X, target=2.0, reduction="none")),
+        np.full(6, (np.linalg.norm(W) - 2.0) ** 2),
+        rtol=1e-5,
+    )
 
 
 def test_half_squared_norm_penalty_and_r1():
     x = RNG.normal(size=(5, 2, 3)).astype(np.float32)
     norms = np.linalg.norm(x.reshape(5, -1).astype(np.float64), axis=1)
     np.testing.assert_allclose(to_numpy(gradient_penalty(half_squared_norm, x)), np.mean((norms - 1) ** 2), rtol=1e-5)
-    np.testing.assert_allclose(to_numpy(gradient_penalty(half_squared_norm, x, target=0.0)), np.mean(norms**2), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(gradient_penalty(half_squared_norm, x, target=0.0)), np.mean(norms**2), rtol=1e-5
+    )
     np.testing.assert_allclose(
         to_numpy(gradient_penalty(half_squared_norm, x, target=0.0, reduction="sum")), np.sum(norms**2), rtol=1e-5
     )
@@ -68,7 +73,10 @@ def test_interpolated_penalty_is_reproducible_and_interpolates():
     mixed = eps * real + (1 - eps) * fake
     np.testing.assert_allclose(first, np.mean((np.linalg.norm(mixed, axis=1) - 1) ** 2), rtol=1e-5)
     # A SeedGenerator draws fresh ε each call, reproducibly from its seed.
-    draws = [interpolated_gradient_penalty(half_squared_norm, real, fake, seed=keras.random.SeedGenerator(7)) for _ in range(2)]
+    draws = [
+        interpolated_gradient_penalty(half_squared_norm, real, fake, seed=keras.random.SeedGenerator(7))
+        for _ in range(2)
+    ]
     generator = keras.random.SeedGenerator(7)
     again = [interpolated_gradient_penalty(half_squared_norm, real, fake, seed=generator) for _ in range(2)]
     np.testing.assert_allclose(to_numpy(draws[0]), to_numpy(again[0]))

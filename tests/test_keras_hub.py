@@ -34,8 +34,13 @@ SAMPLE_WEIGHT = PADDING[:, 1:].astype("float32")
 def _gpt2(num_layers, seed):
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=num_layers, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0,
+        vocabulary_size=VOCAB,
+        num_layers=num_layers,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
     )
     # GPT-2's initial embeddings (σ = 0.02) give logits near 0, where two
     # models' distributions nearly coincide (KL ~ 1e-3, within float32
@@ -90,11 +95,19 @@ def test_fused_distillation_of_a_keras_hub_lm_equals_unfused():
         teacher, student = _gpt2(2, seed=1), _gpt2(1, seed=2)
         fuse = dict(head="token_embedding", teacher_head="token_embedding", chunk_size=5) if fused else {}
         distiller = Distiller(
-            teacher, student, [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.2, name="js")],
-            [1.0, 0.5], student_loss_weight=0.3, **fuse,
+            teacher,
+            student,
+            [LogitsDivergence(temperature=2.0, name="kd"), LogitsDivergence("js", beta=0.2, name="js")],
+            [1.0, 0.5],
+            student_loss_weight=0.3,
+            **fuse,
         )
-        distiller.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        history = distiller.fit(X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0).history
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        history = distiller.fit(
+            X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0
+        ).history
         results[fused] = (history, to_numpy(student.predict(X, verbose=0)))
     for key in ("loss", "student_loss", "distillation/kd", "distillation/js"):
         np.testing.assert_allclose(results[True][0][key], results[False][0][key], rtol=1e-5, err_msg=key)

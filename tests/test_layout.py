@@ -16,9 +16,20 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python")
 # Private attributes of Keras objects the package has needed (each now a
 # function in _keras_internals.py), and CPython's frame access.
 PRIVATE_ATTRIBUTES = {
-    "_metrics", "_compile_loss", "_layers", "_get_own_losses", "_variables", "_trainable_variables",
-    "_track_variable", "_keras_history", "_inbound_nodes", "_getframe", "_var_key",
-    "_exclude_from_weight_decay", "_exclude_from_weight_decay_cache", "_flatten_layers",
+    "_metrics",
+    "_compile_loss",
+    "_layers",
+    "_get_own_losses",
+    "_variables",
+    "_trainable_variables",
+    "_track_variable",
+    "_keras_history",
+    "_inbound_nodes",
+    "_getframe",
+    "_var_key",
+    "_exclude_from_weight_decay",
+    "_exclude_from_weight_decay_cache",
+    "_flatten_layers",
 }
 
 
@@ -61,3 +72,72 @@ def test_backend_modules_do_not_import_each_other():
             for alias in node.names
         }
         assert not imported & (modules - {name}), f"backend/{name}.py imports {imported & modules}"
+
+
+def _module_name(path):
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_imports(path):
+    """The package modules `path` imports (at any depth, outside `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    modules = {_module_name(p) for p in SOURCES}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("keras_penalties"):
+            found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+            if node.module in modules:
+                found.add(node.module)
+    return found - {_module_name(path)}
+
+
+def _circle(graph):
+    """An import circle of `graph` (module -> modules it imports), or None."""
+    done, active = set(), []
+
+    def visit(module):
+        if module in active:
+            return active[active.index(module) :] + [module]
+        if module in done:
+            return None
+        active.append(module)
+        for dependency in sorted(graph.get(module, ())):
+            found = visit(dependency)
+            if found:
+                return found
+        active.pop()
+        done.add(module)
+        return None
+
+    return next((c for c in (visit(m) for m in sorted(graph)) if c), None)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_package_imports_form_no_circle():
+    # A package's __init__ importing its own modules is how it exposes them;
+    # the circles that matter are between modules.
+    graph = {_module_name(p): _package_imports(p) for p in SOURCES}
+    graph = {
+        module: {d for d in deps if not module.startswith(d + ".") and not d.startswith(module + ".")}
+        for module, deps in graph.items()
+    }
+    assert "keras_penalties.gradients" in graph["keras_penalties.objective"]  # the reader sees imports
+    assert _circle(graph) is None, " -> ".join(_circle(graph))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_over_500_lines(path):
+    assert len(path.read_text().splitlines()) <= 500, f"{path.name}: split it (one job per module)"

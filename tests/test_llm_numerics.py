@@ -19,6 +19,7 @@ B = (20 * RNG.normal(size=(4, 64))).astype("float32")
 A[0, :3], B[1, :3] = [1e4, -1e4, 0.0], [-1e4, 1e4, 5.0]
 T = 0.05
 
+
 def _log_probs(x):
     return special.log_softmax(x / T, axis=-1)
 
@@ -45,14 +46,18 @@ def np_entropy(q):
 CASES = {
     **{
         f"kl_{d}": (
-            lambda p, q, d=d, **kw: P.kl_divergence(p, q, from_logits=True, direction=d, temperature=T, reduction="none", **kw),
+            lambda p, q, d=d, **kw: P.kl_divergence(
+                p, q, from_logits=True, direction=d, temperature=T, reduction="none", **kw
+            ),
             lambda p, q, d=d: np_kl(p, q, d),
         )
         for d in ("forward", "reverse", "symmetric")
     },
     **{
         f"js_beta_{b}": (
-            lambda p, q, b=b, **kw: P.js_divergence(p, q, from_logits=True, beta=b, temperature=T, reduction="none", **kw),
+            lambda p, q, b=b, **kw: P.js_divergence(
+                p, q, from_logits=True, beta=b, temperature=T, reduction="none", **kw
+            ),
             lambda p, q, b=b: np_js(p, q, b),
         )
         for b in (0.1, 0.5, 0.9)

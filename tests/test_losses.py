@@ -31,7 +31,11 @@ LOSSES = {
         "probs2",
         lambda t, p: O.np_kl_divergence(t, p, direction="symmetric", reduction="none"),
     ),
-    "js_logits": (L.JSDivergence(from_logits=True), "logits2", lambda t, p: O.np_js_divergence(t, p, True, reduction="none")),
+    "js_logits": (
+        L.JSDivergence(from_logits=True),
+        "logits2",
+        lambda t, p: O.np_js_divergence(t, p, True, reduction="none"),
+    ),
     "js_beta_logits": (
         L.JSDivergence(from_logits=True, beta=0.2),
         "logits2",
@@ -126,7 +130,9 @@ def test_mask_excludes_padded_timesteps():
     model = keras.Model(inputs, outputs)
     model.compile(loss=L.KLDivergence())
     valid = np.any(x != 0.0, axis=-1)
-    per_step = O.np_kl_divergence(y.astype(np.float64), model.predict(x, verbose=0).astype(np.float64), reduction="none")
+    per_step = O.np_kl_divergence(
+        y.astype(np.float64), model.predict(x, verbose=0).astype(np.float64), reduction="none"
+    )
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0), per_step[valid].mean(), rtol=1e-5)
 
 

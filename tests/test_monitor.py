@@ -54,7 +54,9 @@ def test_probe_values_and_gradient_norms_match_closed_forms():
     np.testing.assert_allclose(entry["obj/l1/grad_norm_weighted"], 0.1 * norm(g_l1), rtol=1e-5)
     np.testing.assert_allclose(entry["lin/kernel_regularizer/grad_norm"], norm(g_reg), rtol=1e-5)
     np.testing.assert_allclose(entry["base_loss/grad_norm"], norm(g_loss), rtol=1e-5)
-    np.testing.assert_allclose(entry["total/grad_norm"], norm(combine((1.0, g_loss), (0.1, g_l1), (1.0, g_reg))), rtol=1e-5)
+    np.testing.assert_allclose(
+        entry["total/grad_norm"], norm(combine((1.0, g_loss), (0.1, g_l1), (1.0, g_reg))), rtol=1e-5
+    )
     np.testing.assert_allclose(entry["base_loss"], np.mean((h - y) ** 2), rtol=1e-5)
     # Epoch logs average the epoch's probes (two here, with frozen weights: equal).
     np.testing.assert_allclose(history["obj/l1/grad_norm"][0], norm(g_l1), rtol=1e-5)
@@ -98,14 +100,20 @@ def test_probe_leaves_no_torch_grad():
 def _stateful_model():
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))
-    h = keras.layers.Dense(8, activation="relu", kernel_regularizer=R.L2(0.01), activity_regularizer=R.Entropy(0.01, from_logits=True))(inputs)
+    h = keras.layers.Dense(
+        8, activation="relu", kernel_regularizer=R.L2(0.01), activity_regularizer=R.Entropy(0.01, from_logits=True)
+    )(inputs)
     h = keras.layers.BatchNormalization()(h)
     h = keras.layers.Dropout(0.3)(h)
-    h = CompositeObjective({"ent": Term("entropy", 0.1, options={"from_logits": True}), "l2": Term("l2", 1e-3)}, name="obj")(h)
+    h = CompositeObjective(
+        {"ent": Term("entropy", 0.1, options={"from_logits": True}), "l2": Term("l2", 1e-3)}, name="obj"
+    )(h)
     model = keras.Model(inputs, keras.layers.Dense(3)(h))
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
-        loss=L.CompositeLoss({"mse": keras.losses.MeanSquaredError(), "cos": L.Consistency(metric="cosine")}, weights={"cos": 0.1}),
+        loss=L.CompositeLoss(
+            {"mse": keras.losses.MeanSquaredError(), "cos": L.Consistency(metric="cosine")}, weights={"cos": 0.1}
+        ),
     )
     return model
 

@@ -27,7 +27,9 @@ import pytest
 from tests import processes
 from tests.testing import BACKEND
 
-JAX_ONLY = pytest.mark.skipif(BACKEND != "jax", reason="JAX processes (keras.distribution.initialize); the launcher is every backend's")
+JAX_ONLY = pytest.mark.skipif(
+    BACKEND != "jax", reason="JAX processes (keras.distribution.initialize); the launcher is every backend's"
+)
 TF_ONLY = pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow workers (MultiWorkerMirroredStrategy)")
 TORCH_ONLY = pytest.mark.skipif(BACKEND != "torch", reason="torch processes (torch.distributed, DDP)")
 ENV = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -47,7 +49,10 @@ def _assert_equal_to_one_process(one, first, second):
     bad = {}
     for key, value in one.items():
         a, b, c = (np.asarray(v, np.float64) for v in (value, first[key], second[key]))
-        if not (np.array_equal(b, c) and np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-6)):
+        if not (
+            np.array_equal(b, c)
+            and np.max(np.abs(a - b), initial=0.0) <= 1e-5 * max(np.max(np.abs(a), initial=0.0), 1e-6)
+        ):
             bad[key] = (value, first[key], second[key])
     assert not bad, bad
 
@@ -55,13 +60,24 @@ def _assert_equal_to_one_process(one, first, second):
 @JAX_ONLY
 def test_two_processes_of_two_devices_equal_one_process():
     (port,) = processes.free_ports()
-    workers = processes.run([["tests.multiprocess_run", "worker", str(port), str(i), "2"] for i in range(2)], env=WORKER_ENV)
+    workers = processes.run(
+        [["tests.multiprocess_run", "worker", str(port), str(i), "2"] for i in range(2)], env=WORKER_ENV
+    )
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.multiprocess_run", "one"]], env=ENV))
     assert (one.pop("devices"), first.pop("devices"), second.pop("devices")) == (1, 4, 4)
-    for key in ("history/obj/l1", "history/uobj/ent/weight", "history/closs/mse/weight", "evaluate/obj/l1_sum",
-                "probe3/total/grad_norm", "gradnorm3/weights", "distiller/history/distillation/kd",
-                "distiller/evaluate/total_loss", "weights/0", "distiller/weights/0"):
+    for key in (
+        "history/obj/l1",
+        "history/uobj/ent/weight",
+        "history/closs/mse/weight",
+        "evaluate/obj/l1_sum",
+        "probe3/total/grad_norm",
+        "gradnorm3/weights",
+        "distiller/history/distillation/kd",
+        "distiller/evaluate/total_loss",
+        "weights/0",
+        "distiller/weights/0",
+    ):
         assert key in one, key
     _assert_equal_to_one_process(one, first, second)
 
@@ -80,7 +96,9 @@ def test_two_multiworker_mirrored_workers_in_a_custom_loop_equal_one_process():
 @TORCH_ONLY
 def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
     port = str(processes.free_ports()[0])
-    workers = processes.run([["tests.ddp_run", "worker", port, str(i)] for i in range(2)], env={"KERAS_BACKEND": "torch"})
+    workers = processes.run(
+        [["tests.ddp_run", "worker", port, str(i)] for i in range(2)], env={"KERAS_BACKEND": "torch"}
+    )
     first, second = (_report(r) for r in workers)
     (one,) = (_report(r) for r in processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
     _assert_equal_to_one_process(one, first, second)
@@ -94,11 +112,14 @@ def test_a_dead_process_fails_the_launch_at_once_and_leaves_none():
     start = time.monotonic()
     results = processes.run(
         [["tests.multiprocess_run", "worker", str(port), "0", "2"], ["tests.multiprocess_run", "die"]],
-        env=WORKER_ENV, timeout=120,
+        env=WORKER_ENV,
+        timeout=120,
     )
     assert time.monotonic() - start < 60
     (waiting, _, _), (died, _, err) = results
     assert died == 1 and "dies at once" in err
     assert waiting < 0  # killed
-    leftovers = [line for line in os.popen("ps -eo args").read().splitlines() if f"multiprocess_run worker {port}" in line]
+    leftovers = [
+        line for line in os.popen("ps -eo args").read().splitlines() if f"multiprocess_run worker {port}" in line
+    ]
     assert leftovers == []

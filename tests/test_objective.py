@@ -89,7 +89,10 @@ def test_terms_on_the_same_logits_match_oracles_in_value_and_gradient(classes):
         np.testing.assert_allclose(to_numpy(values[name]), value, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(to_numpy(total), sum(weights[k] * v for k, v in expected.items()), rtol=1e-5)
     gradient = grad(lambda t: objective.compute(t)[0], x)
-    np_total = lambda v: sum(weights[k] * e for k, e in _np_terms_on_one_logits(v, teacher.astype(np.float64)).items())
+
+    def np_total(v):
+        return sum(weights[k] * e for k, e in _np_terms_on_one_logits(v, teacher.astype(np.float64)).items())
+
     np.testing.assert_allclose(gradient, central_difference(np_total, x), rtol=1e-4, atol=1e-6)
 
 
@@ -169,7 +172,9 @@ def test_a_term_differentiating_the_input_after_another_term_read_it():
 def test_weights_argument_overrides_term_weights():
     objective = CompositeObjective({"l1": Term("l1", 3.0), "l2": "l2"}, weights={"l1": 0.5})
     total, _ = objective.compute(X)
-    np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l1(X, "sum_over_batch_size") + O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(total), 0.5 * O.np_l1(X, "sum_over_batch_size") + O.np_l2(X, "sum_over_batch_size"), rtol=1e-5
+    )
 
 
 def test_dict_inputs_feed_named_entries_in_order():
@@ -195,7 +200,10 @@ def test_dict_inputs_feed_named_entries_in_order():
 
 def test_list_inputs_are_positional():
     objective = CompositeObjective(
-        {"kl": Term("kl_divergence", options={"from_logits": True}), "ent": Term("entropy", inputs=1, options={"from_logits": True})}
+        {
+            "kl": Term("kl_divergence", options={"from_logits": True}),
+            "ent": Term("entropy", inputs=1, options={"from_logits": True}),
+        }
     )
     _, values = objective.compute([TEACHER, X])
     np.testing.assert_allclose(to_numpy(values["kl"]), O.np_kl_divergence(TEACHER, X, True), rtol=1e-5)
@@ -207,7 +215,9 @@ def test_call_is_identity_and_adds_the_total():
     out = objective(X)
     np.testing.assert_array_equal(to_numpy(out), X)
     (loss,) = objective.losses
-    np.testing.assert_allclose(to_numpy(loss), 0.1 * O.np_l1(X, "sum_over_batch_size") + 0.2 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(loss), 0.1 * O.np_l1(X, "sum_over_batch_size") + 0.2 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5
+    )
 
 
 def test_set_weight_enable_disable():
@@ -219,7 +229,9 @@ def test_set_weight_enable_disable():
     np.testing.assert_allclose(to_numpy(total), 0.5 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
     objective.enable("l1")
     total, values = objective.compute(X)
-    np.testing.assert_allclose(to_numpy(total), O.np_l1(X, "sum_over_batch_size") + 0.5 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5)
+    np.testing.assert_allclose(
+        to_numpy(total), O.np_l1(X, "sum_over_batch_size") + 0.5 * O.np_l2(X, "sum_over_batch_size"), rtol=1e-5
+    )
     with pytest.raises(ValueError, match=r"Unknown term 'l3'; terms are \['l1', 'l2'\]"):
         objective.set_weight("l3", 1.0)
     with pytest.raises(TypeError, match=r"set_weight takes a number"):
@@ -372,7 +384,13 @@ def test_terms_are_logged_without_the_monitor_after_a_monitored_fit(run_eagerly)
     rng = np.random.default_rng(2)
     x = rng.normal(size=(STEPS_PER_EPOCH * BATCH, 3)).astype(np.float32)
     y = rng.normal(size=(STEPS_PER_EPOCH * BATCH, 2)).astype(np.float32)
-    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[PenaltyMonitor(probe_data=(x[:BATCH], y[:BATCH]), every_n_batches=1)])
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[PenaltyMonitor(probe_data=(x[:BATCH], y[:BATCH]), every_n_batches=1)],
+    )
     hidden, _ = _hidden_and_base(model, x, y)
     batches = hidden.reshape(STEPS_PER_EPOCH, BATCH, -1)
     per_batch = {
@@ -455,16 +473,44 @@ def _bad_scalar(x):
 CONSTRUCTION_ERRORS = {
     "empty_name": (lambda: CompositeObjective({"": "l1"}), ValueError, r"Term names must be non-empty strings"),
     "duplicate": (lambda: CompositeObjective([("a", "l1"), ("a", "l2")]), ValueError, r"Duplicate term name 'a'"),
-    "metric_name": (lambda: CompositeObjective({"kl/student": "l1"}), ValueError, r"Term name 'kl/student' cannot be a metric name"),
+    "metric_name": (
+        lambda: CompositeObjective({"kl/student": "l1"}),
+        ValueError,
+        r"Term name 'kl/student' cannot be a metric name",
+    ),
     "no_terms": (lambda: CompositeObjective({}), ValueError, r"at least one term"),
-    "negative_weight": (lambda: CompositeObjective({"l1": Term("l1", 1.0)}, weights={"l1": -0.5}), ValueError, r"Term 'l1': `weight` must be >= 0"),
-    "nan_weight": (lambda: CompositeObjective({"l1": "l1"}, weights={"l1": math.nan}), ValueError, r"Term 'l1': `weight` must be finite"),
+    "negative_weight": (
+        lambda: CompositeObjective({"l1": Term("l1", 1.0)}, weights={"l1": -0.5}),
+        ValueError,
+        r"Term 'l1': `weight` must be >= 0",
+    ),
+    "nan_weight": (
+        lambda: CompositeObjective({"l1": "l1"}, weights={"l1": math.nan}),
+        ValueError,
+        r"Term 'l1': `weight` must be finite",
+    ),
     "term_weight": (lambda: Term("l1", -1.0), ValueError, r"`weight` must be >= 0"),
-    "unknown_weight": (lambda: CompositeObjective({"l1": "l1"}, weights={"l2": 1.0}), ValueError, r"`weights` names unknown term\(s\) \['l2'\]"),
-    "unknown_penalty": (lambda: CompositeObjective({"x": "l3"}), ValueError, r"Term 'x': `penalty` must name a keras_penalties.ops function"),
-    "bad_option": (lambda: CompositeObjective({"ent": Term("entropy", options={"temperature": 0})}), ValueError, r"`temperature` must be > 0"),
+    "unknown_weight": (
+        lambda: CompositeObjective({"l1": "l1"}, weights={"l2": 1.0}),
+        ValueError,
+        r"`weights` names unknown term\(s\) \['l2'\]",
+    ),
+    "unknown_penalty": (
+        lambda: CompositeObjective({"x": "l3"}),
+        ValueError,
+        r"Term 'x': `penalty` must name a keras_penalties.ops function",
+    ),
+    "bad_option": (
+        lambda: CompositeObjective({"ent": Term("entropy", options={"temperature": 0})}),
+        ValueError,
+        r"`temperature` must be > 0",
+    ),
     "unknown_option": (lambda: Term("l1", options={"center": 1}), TypeError, r"l1\(\) got unknown option"),
-    "options_on_loss": (lambda: Term(L.KLDivergence(), options={"axis": 0}), ValueError, r"configure a KLDivergence through its constructor"),
+    "options_on_loss": (
+        lambda: Term(L.KLDivergence(), options={"axis": 0}),
+        ValueError,
+        r"configure a KLDivergence through its constructor",
+    ),
     "bad_penalty": (lambda: Term(3.0), TypeError, r"`penalty` must be"),
     "bad_inputs": (lambda: Term("l1", inputs=[]), ValueError, r"`inputs` must be None or a non-empty sequence"),
 }
@@ -484,7 +530,11 @@ CALL_ERRORS = {
         r"Term 'kd' takes inputs \['teacher', 'student'\], but \['teacher'\] is not among the fed inputs \['student'\]",
     ),
     "dict_without_inputs": ({"l1": "l1"}, {"a": X}, r"Term 'l1' has no `inputs`, but the objective was fed a dict"),
-    "names_on_tensor": ({"kd": Term("kl_divergence", inputs=("a", "b"))}, X, r"Term 'kd' takes inputs \['a', 'b'\], but the objective was fed a single tensor"),
+    "names_on_tensor": (
+        {"kd": Term("kl_divergence", inputs=("a", "b"))},
+        X,
+        r"Term 'kd' takes inputs \['a', 'b'\], but the objective was fed a single tensor",
+    ),
     "not_scalar": ({"bad": Term(_bad_scalar)}, X, r"Term 'bad' must return a scalar; it returned shape \(4, 5\)"),
     "loss_one_input": ({"kl": Term(L.KLDivergence())}, X, r"a Loss takes two tensors"),
 }

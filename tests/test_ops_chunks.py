@@ -27,7 +27,10 @@ CHUNKS = (1, 5, 12, 64)
 
 # name -> (ours(p, q, **kw), oracle per-sample values(p, q))
 FUNCTIONS = {
-    "kl_forward": (lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_kl_divergence(p, q, True, reduction="none")),
+    "kl_forward": (
+        lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, **kw),
+        lambda p, q: O.np_kl_divergence(p, q, True, reduction="none"),
+    ),
     "kl_reverse_t": (
         lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, direction="reverse", temperature=0.5, **kw),
         lambda p, q: O.np_kl_divergence(p, q, True, direction="reverse", temperature=0.5, reduction="none"),
@@ -36,12 +39,18 @@ FUNCTIONS = {
         lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, direction="symmetric", **kw),
         lambda p, q: O.np_kl_divergence(p, q, True, direction="symmetric", reduction="none"),
     ),
-    "js": (lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_js_divergence(p, q, True, reduction="none")),
+    "js": (
+        lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, **kw),
+        lambda p, q: O.np_js_divergence(p, q, True, reduction="none"),
+    ),
     "js_beta_t": (
         lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, beta=0.1, temperature=2.0, **kw),
         lambda p, q: O.np_js_divergence(p, q, True, reduction="none", beta=0.1, temperature=2.0),
     ),
-    "entropy": (lambda p, q, **kw: P.entropy(q, from_logits=True, **kw), lambda p, q: O.np_entropy(q, True, reduction="none")),
+    "entropy": (
+        lambda p, q, **kw: P.entropy(q, from_logits=True, **kw),
+        lambda p, q: O.np_entropy(q, True, reduction="none"),
+    ),
     "entropy_normalized": (
         lambda p, q, **kw: P.entropy(q, from_logits=True, normalize=True, **kw),
         lambda p, q: O.np_entropy(q, True, normalize=True, reduction="none"),
@@ -51,7 +60,11 @@ FUNCTIONS = {
 
 def _expected(values, reduction, mask=None):
     kept = np.ones(values.shape, bool) if mask is None else mask != 0
-    return {"mean": values[kept].sum() / max(kept.sum(), 1), "sum": values[kept].sum(), "none": np.where(kept, values, 0.0)}[reduction]
+    return {
+        "mean": values[kept].sum() / max(kept.sum(), 1),
+        "sum": values[kept].sum(),
+        "none": np.where(kept, values, 0.0),
+    }[reduction]
 
 
 @pytest.mark.parametrize("chunk_size", CHUNKS)
@@ -76,8 +89,13 @@ def test_chunked_gradients_equal_unchunked(name, chunk_size):
     p, q = ops.convert_to_tensor(P_LOGITS), ops.convert_to_tensor(Q_LOGITS)
     for mask in (None, MASK):
         for wrt in ("p", "q"):
+
             def loss(x, chunk_size):
-                return ours(x, q, chunk_size=chunk_size, mask=mask) if wrt == "p" else ours(p, x, chunk_size=chunk_size, mask=mask)
+                return (
+                    ours(x, q, chunk_size=chunk_size, mask=mask)
+                    if wrt == "p"
+                    else ours(p, x, chunk_size=chunk_size, mask=mask)
+                )
 
             x = P_LOGITS if wrt == "p" else Q_LOGITS
             chunked = grad(lambda t: loss(t, chunk_size), x)
@@ -115,13 +133,17 @@ def test_chunked_half_precision_equals_unchunked(dtype):
     for fn in (P.kl_divergence, P.js_divergence):
         chunked = fn(p, q, from_logits=True, chunk_size=5, mask=MASK)
         assert keras.backend.standardize_dtype(chunked.dtype) == dtype
-        np.testing.assert_array_equal(to_numpy(ops.cast(chunked, "float32")), to_numpy(ops.cast(fn(p, q, from_logits=True, mask=MASK), "float32")))
+        np.testing.assert_array_equal(
+            to_numpy(ops.cast(chunked, "float32")), to_numpy(ops.cast(fn(p, q, from_logits=True, mask=MASK), "float32"))
+        )
 
 
 def test_no_rows_give_zero_with_a_finite_gradient():
     empty = np.zeros((0, 4, 7), "float32")
     for reduction in ("mean", "sum"):
-        assert float(to_numpy(P.kl_divergence(empty, empty, from_logits=True, chunk_size=3, reduction=reduction))) == 0.0
+        assert (
+            float(to_numpy(P.kl_divergence(empty, empty, from_logits=True, chunk_size=3, reduction=reduction))) == 0.0
+        )
         assert float(to_numpy(P.entropy(empty, from_logits=True, chunk_size=3, reduction=reduction))) == 0.0
     assert to_numpy(P.js_divergence(empty, empty, from_logits=True, chunk_size=3, reduction="none")).shape == (0, 4)
     g = grad(lambda x: P.js_divergence(x, x * 2.0, from_logits=True, chunk_size=3), empty)
@@ -139,7 +161,9 @@ def _distill_model(chunk_size, jit_compile="auto"):
     options = {"from_logits": True, "chunk_size": chunk_size}
     objective = CompositeObjective(
         {
-            "kl": Term("kl_divergence", inputs=("teacher", "student"), options=dict(options, temperature=2.0, mask="mask")),
+            "kl": Term(
+                "kl_divergence", inputs=("teacher", "student"), options=dict(options, temperature=2.0, mask="mask")
+            ),
             "entropy": Term("entropy", 0.1, inputs=("student",), options=options),
         },
         name="distill",
@@ -156,7 +180,10 @@ def _distill_model(chunk_size, jit_compile="auto"):
         "auto",  # XLA on JAX; a tf.function without XLA on TF (Keras' default on CPU); eager torch
         pytest.param(
             True,
-            marks=pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch is torch.compile, not XLA; the chunks there are the same eager loop"),
+            marks=pytest.mark.skipif(
+                BACKEND == "torch",
+                reason="jit_compile on torch is torch.compile, not XLA; the chunks there are the same eager loop",
+            ),
         ),
     ],
 )
@@ -195,7 +222,9 @@ def test_monitor_probe_takes_each_chunked_terms_gradient_norm(chunk_size):
         monitor.set_model(model)
         entries[size] = monitor.probe()
     for key in ("distill/kl", "distill/entropy", "total"):
-        np.testing.assert_allclose(entries[chunk_size][f"{key}/grad_norm"], entries[None][f"{key}/grad_norm"], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(
+            entries[chunk_size][f"{key}/grad_norm"], entries[None][f"{key}/grad_norm"], rtol=1e-5, err_msg=key
+        )
     # The KL term's against NumPy: masked mean over positions of
     # KL(softmax(t/T) ‖ softmax(z/T)), z = tokens·W + b; ∂/∂z = (q − p)/(T·kept).
     kernel, bias = (to_numpy(w).astype(np.float64) for w in model.trainable_weights)
@@ -207,7 +236,9 @@ def test_monitor_probe_takes_each_chunked_terms_gradient_norm(chunk_size):
     np.testing.assert_allclose(entries[chunk_size]["distill/kl/grad_norm"], norm, rtol=1e-5)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)"
+)
 def test_rows_known_only_at_run_time_on_tensorflow():
     import tensorflow as tf
 
@@ -227,7 +258,9 @@ def test_rows_known_only_at_run_time_on_tensorflow():
         for rows in (3, 1, 0):
             p, q, mask = P_LOGITS[:rows], Q_LOGITS[:rows], MASK[:rows]
             value, g, (gp, gq) = chunked(p, q, mask)
-            np.testing.assert_allclose(float(value), float(P.js_divergence(p, q, from_logits=True, beta=0.3, mask=mask)), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                float(value), float(P.js_divergence(p, q, from_logits=True, beta=0.3, mask=mask)), rtol=1e-5, atol=1e-7
+            )
             expected_p = grad(lambda t: P.js_divergence(t, q, from_logits=True, beta=0.3, mask=mask), p)
             expected_q = grad(lambda t: P.js_divergence(p, t, from_logits=True, beta=0.3, mask=mask), q)
             np.testing.assert_allclose(g.numpy(), expected_q, rtol=1e-5, atol=1e-7)
@@ -235,7 +268,9 @@ def test_rows_known_only_at_run_time_on_tensorflow():
             np.testing.assert_allclose(gp.numpy(), expected_p, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit of value_and_grad; the other backends' traced paths are covered by fit above")
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="jax.jit of value_and_grad; the other backends' traced paths are covered by fit above"
+)
 def test_under_jax_jit():
     import jax
 
@@ -243,24 +278,33 @@ def test_under_jax_jit():
         return P.kl_divergence(p, q, from_logits=True, direction="reverse", chunk_size=5, mask=MASK)
 
     value, (gp, gq) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(P_LOGITS, Q_LOGITS)
-    np.testing.assert_allclose(float(value), float(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, direction="reverse", mask=MASK)), rtol=1e-5)
-    np.testing.assert_allclose(gq, grad(lambda t: P.kl_divergence(P_LOGITS, t, from_logits=True, direction="reverse", mask=MASK), Q_LOGITS), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        float(value),
+        float(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, direction="reverse", mask=MASK)),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        gq,
+        grad(lambda t: P.kl_divergence(P_LOGITS, t, from_logits=True, direction="reverse", mask=MASK), Q_LOGITS),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("name", ["kl_reverse_t", "js", "entropy"])
 def test_auto_chunks_take_the_backends_element_budget_over_the_classes(name, monkeypatch):
     from keras_penalties import backend
-    from keras_penalties.ops import _numerics as num
+    from keras_penalties.ops import _chunks as chunks
 
     # The measured budgets: 16 M elements on JAX, 1 M on TF, 4 M on torch.
     expected = {"jax": 16 * 2**20, "tensorflow": 2**20, "torch": 4 * 2**20}[BACKEND]
     rows = expected // 32000  # 524 on JAX, 32 on TF, 131 on torch
-    assert num.chunk_rows("auto", 32000, 8191 * 3) == rows  # no divisor of 8191·3 in [rows/2, rows]
+    assert chunks.chunk_rows("auto", 32000, 8191 * 3) == rows  # no divisor of 8191·3 in [rows/2, rows]
     # 8192 rows: the largest power of two within the budget, so no padded copy.
-    assert num.chunk_rows("auto", 32000, 8192) == {"jax": 512, "tensorflow": 32}.get(BACKEND, 128)
-    assert num.chunk_rows("auto", 128256, 4096) == {"jax": 128, "tensorflow": 8}.get(BACKEND, 32)
-    assert num.chunk_rows("auto", 10**9, 8) == 1 and num.chunk_rows("auto", 7, 12) == 12
-    assert num.chunk_rows(64, 7, 12) == 64
+    assert chunks.chunk_rows("auto", 32000, 8192) == {"jax": 512, "tensorflow": 32}.get(BACKEND, 128)
+    assert chunks.chunk_rows("auto", 128256, 4096) == {"jax": 128, "tensorflow": 8}.get(BACKEND, 32)
+    assert chunks.chunk_rows("auto", 10**9, 8) == 1 and chunks.chunk_rows("auto", 7, 12) == 12
+    assert chunks.chunk_rows(64, 7, 12) == 64
     # 5 rows of 7 classes: a partial last chunk of the 12 rows; the values
     # and gradients are those of the oracle and of the unchunked call.
     monkeypatch.setattr(backend, "CHUNK_ELEMENTS", 35)

@@ -73,7 +73,9 @@ FUNCTIONS = {
         lambda t, s: O.np_cross_entropy(LABELS, s, reduction="none"),
     ),
     "cross_entropy_smoothed": (
-        lambda t, s, **kw: P.cross_entropy(LABELS[: s.shape[0], : s.shape[1]], s, label_smoothing=0.1, temperature=1.5, **kw),
+        lambda t, s, **kw: P.cross_entropy(
+            LABELS[: s.shape[0], : s.shape[1]], s, label_smoothing=0.1, temperature=1.5, **kw
+        ),
         lambda t, s: O.np_cross_entropy(LABELS, s, label_smoothing=0.1, temperature=1.5, reduction="none"),
     ),
 }
@@ -81,7 +83,11 @@ FUNCTIONS = {
 
 def _reduced(values, reduction, mask):
     kept = np.ones(values.shape, bool) if mask is None else mask != 0
-    return {"mean": values[kept].sum() / max(kept.sum(), 1), "sum": values[kept].sum(), "none": np.where(kept, values, 0.0)}[reduction]
+    return {
+        "mean": values[kept].sum() / max(kept.sum(), 1),
+        "sum": values[kept].sum(),
+        "none": np.where(kept, values, 0.0),
+    }[reduction]
 
 
 # "mean" with a mask and "sum" without: the other pairs rescale the same sums.
@@ -96,7 +102,7 @@ def test_values_match_the_oracle_on_the_materialised_logits(name, lazy, chunk_si
     ours, oracle = FUNCTIONS[name]
     values = oracle(TEACHER_LOGITS, STUDENT_LOGITS)
     teacher = _teacher() if lazy == "both" else TEACHER_LOGITS.astype("float32")
-    for reduction, mask in REDUCTIONS + ((() if chunk_size else (("none", MASK),))):
+    for reduction, mask in REDUCTIONS + (() if chunk_size else (("none", MASK),)):
         got = to_numpy(ours(teacher, _student(), chunk_size=chunk_size, mask=mask, reduction=reduction))
         np.testing.assert_allclose(got, _reduced(values, reduction, mask), rtol=1e-5, atol=1e-6, err_msg=reduction)
 
@@ -185,7 +191,9 @@ def test_a_compiled_loss_differentiated_from_outside(lazy):
         return P.kl_divergence(TEACHER_LOGITS.astype("float32"), logits, from_logits=True, mask=MASK, chunk_size=4)
 
     def formed(hidden, kernel):
-        return P.kl_divergence(TEACHER_LOGITS.astype("float32"), _materialised(hidden, kernel), from_logits=True, mask=MASK)
+        return P.kl_divergence(
+            TEACHER_LOGITS.astype("float32"), _materialised(hidden, kernel), from_logits=True, mask=MASK
+        )
 
     for got, expected in zip(grads(compiled(loss), STUDENT_HIDDEN, KERNEL), grads(formed, STUDENT_HIDDEN, KERNEL)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -195,18 +203,29 @@ def test_a_tied_embedding_is_read_transposed():
     # [V, H] with transpose_kernel equals its transpose as a [H, V] kernel,
     # and the gradient reaches the embedding in its own layout.
     for chunk_size in (None, 4):
-        tied = P.entropy(P.linear(STUDENT_HIDDEN, EMBEDDING, transpose_kernel=True), from_logits=True, chunk_size=chunk_size)
+        tied = P.entropy(
+            P.linear(STUDENT_HIDDEN, EMBEDDING, transpose_kernel=True), from_logits=True, chunk_size=chunk_size
+        )
         dense = P.entropy(P.linear(STUDENT_HIDDEN, EMBEDDING.T.copy()), from_logits=True, chunk_size=chunk_size)
         np.testing.assert_allclose(to_numpy(tied), to_numpy(dense), rtol=1e-6)
-        g = grad(lambda e: P.entropy(P.linear(STUDENT_HIDDEN, e, transpose_kernel=True), from_logits=True, chunk_size=chunk_size), EMBEDDING)
-        g_dense = grad(lambda k: P.entropy(P.linear(STUDENT_HIDDEN, k), from_logits=True, chunk_size=chunk_size), EMBEDDING.T.copy())
+        g = grad(
+            lambda e: P.entropy(
+                P.linear(STUDENT_HIDDEN, e, transpose_kernel=True), from_logits=True, chunk_size=chunk_size
+            ),
+            EMBEDDING,
+        )
+        g_dense = grad(
+            lambda k: P.entropy(P.linear(STUDENT_HIDDEN, k), from_logits=True, chunk_size=chunk_size),
+            EMBEDDING.T.copy(),
+        )
         np.testing.assert_allclose(g, g_dense.T, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(
     BACKEND != "tensorflow",
     reason="TF adds the kernel's gradient in blocks of a fixed number of elements (the sizes here make one block); "
-    "JAX's blocks follow the chunk's rows (chunks of 2 and 4 above make several), torch adds it whole in place (addmm_)",
+    "JAX's blocks follow the chunk's rows (chunks of 2 and 4 above make several), "
+    "torch adds it whole in place (addmm_)",
 )
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("elements", [1, 25])
@@ -301,7 +320,11 @@ def test_cross_entropy_equals_keras_sparse_categorical_crossentropy(chunk_size):
     np.testing.assert_allclose(ours, smoothed, rtol=1e-5, atol=1e-6)
     # Probabilities (all well above Keras' 1e-7 clip), and another class axis.
     probs = to_numpy(ops.softmax(logits))
-    ours = to_numpy(P.cross_entropy(LABELS, np.moveaxis(probs, -1, 1), from_logits=False, axis=1, reduction="none", chunk_size=chunk_size))
+    ours = to_numpy(
+        P.cross_entropy(
+            LABELS, np.moveaxis(probs, -1, 1), from_logits=False, axis=1, reduction="none", chunk_size=chunk_size
+        )
+    )
     expected = to_numpy(keras.losses.sparse_categorical_crossentropy(LABELS, probs))
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
 
@@ -328,7 +351,12 @@ def test_weighted_cross_entropy_reads_no_label_where_the_weight_is_zero():
     for chunk_size in (None, 4):
         got = weighted_cross_entropy_sum(labels, _student(), ops.convert_to_tensor(weights), chunk_size=chunk_size)
         np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-5)
-        g = grad(lambda k: weighted_cross_entropy_sum(labels, _student(kernel=k), ops.convert_to_tensor(weights), chunk_size=chunk_size), KERNEL)
+        g = grad(
+            lambda k: weighted_cross_entropy_sum(
+                labels, _student(kernel=k), ops.convert_to_tensor(weights), chunk_size=chunk_size
+            ),
+            KERNEL,
+        )
         assert_finite(g, "d/dkernel")
 
 
@@ -393,12 +421,18 @@ def test_half_hidden_states_give_float32_logits_per_chunk(dtype):
         chunked = P.kl_divergence(teacher, P.linear(hidden, kernel), from_logits=True, mask=MASK, chunk_size=4)
         whole = P.kl_divergence(teacher, P.linear(hidden, kernel), from_logits=True, mask=MASK)
         assert keras.backend.standardize_dtype(chunked.dtype) == out_dtype
-        np.testing.assert_allclose(to_numpy(chunked), to_numpy(whole), rtol=1e-6 if out_dtype == "float32" else HALF_RTOL[dtype])
+        np.testing.assert_allclose(
+            to_numpy(chunked), to_numpy(whole), rtol=1e-6 if out_dtype == "float32" else HALF_RTOL[dtype]
+        )
         logits = rounded @ to_numpy(kernel).astype(np.float64)
-        expected = _reduced(O.np_kl_divergence(to_numpy(teacher).astype(np.float64), logits, True, reduction="none"), "mean", MASK)
+        expected = _reduced(
+            O.np_kl_divergence(to_numpy(teacher).astype(np.float64), logits, True, reduction="none"), "mean", MASK
+        )
         rtol = 1e-5 if out_dtype == "float32" else HALF_RTOL[dtype]
         np.testing.assert_allclose(to_numpy(chunked), expected, rtol=rtol)
-        g = input_gradient(lambda h: P.kl_divergence(teacher, P.linear(h, kernel), from_logits=True, chunk_size=4), hidden)
+        g = input_gradient(
+            lambda h: P.kl_divergence(teacher, P.linear(h, kernel), from_logits=True, chunk_size=4), hidden
+        )
         assert keras.backend.standardize_dtype(g.dtype) == dtype
         whole_g = input_gradient(lambda h: P.kl_divergence(teacher, P.linear(h, kernel), from_logits=True), hidden)
         np.testing.assert_allclose(to_numpy(g), to_numpy(whole_g), rtol=HALF_RTOL[dtype], atol=1e-6)
@@ -408,7 +442,9 @@ def test_nothing_kept_gives_zero_and_finite_gradients():
     nothing = np.zeros((B, T), "float32")
     for reduction in ("mean", "sum"):
         for fn in (
-            lambda k: P.kl_divergence(_teacher(), _student(kernel=k), from_logits=True, mask=nothing, chunk_size=4, reduction=reduction),
+            lambda k: P.kl_divergence(
+                _teacher(), _student(kernel=k), from_logits=True, mask=nothing, chunk_size=4, reduction=reduction
+            ),
             lambda k: P.cross_entropy(LABELS, _student(kernel=k), mask=nothing, chunk_size=4, reduction=reduction),
         ):
             assert float(to_numpy(fn(KERNEL))) == 0.0
@@ -498,7 +534,10 @@ def _lm_data(n=10):
         "auto",  # XLA on JAX; a tf.function without XLA on TF; eager torch
         pytest.param(
             True,
-            marks=pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch is torch.compile, not XLA; the chunks there are the same eager loop"),
+            marks=pytest.mark.skipif(
+                BACKEND == "torch",
+                reason="jit_compile on torch is torch.compile, not XLA; the chunks there are the same eager loop",
+            ),
         ),
     ],
 )
@@ -573,7 +612,9 @@ def test_fit_under_mixed_precision(policy):
     np.testing.assert_allclose(losses[3], losses[None], rtol=1e-4)
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)")
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="only TensorFlow traces with unknown dimensions (tf.function input_signature)"
+)
 def test_rows_known_only_at_run_time_on_tensorflow():
     import tensorflow as tf
 
@@ -583,9 +624,9 @@ def test_rows_known_only_at_run_time_on_tensorflow():
         with tf.GradientTape() as tape:
             tape.watch([hidden, kernel, bias])
             student = P.linear(hidden, kernel, bias)
-            value = P.js_divergence(teacher, student, from_logits=True, beta=0.3, chunk_size=4, mask=mask) + P.cross_entropy(
-                labels, student, mask=mask, chunk_size=4
-            )
+            value = P.js_divergence(
+                teacher, student, from_logits=True, beta=0.3, chunk_size=4, mask=mask
+            ) + P.cross_entropy(labels, student, mask=mask, chunk_size=4)
         return value, tape.gradient(value, [hidden, kernel, bias])
 
     signature = [
@@ -603,7 +644,9 @@ def test_rows_known_only_at_run_time_on_tensorflow():
 
             def expected(h, k, b):
                 student = _materialised(h, k, b)
-                return P.js_divergence(args[1], student, from_logits=True, beta=0.3, mask=args[3]) + P.cross_entropy(args[2], student, mask=args[3])
+                return P.js_divergence(args[1], student, from_logits=True, beta=0.3, mask=args[3]) + P.cross_entropy(
+                    args[2], student, mask=args[3]
+                )
 
             np.testing.assert_allclose(float(value), float(expected(args[0], kernel, bias)), rtol=1e-5, atol=1e-7)
             for g, wrt in zip(grads, ("h", "k", "b")):
@@ -612,7 +655,11 @@ def test_rows_known_only_at_run_time_on_tensorflow():
                 np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-7, err_msg=wrt)
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="jax.jit of value_and_grad with a frozen (stop_gradient) teacher; the other backends' traced paths are covered by fit above")
+@pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="jax.jit of value_and_grad with a frozen (stop_gradient) teacher; "
+    "the other backends' traced paths are covered by fit above",
+)
 def test_under_jax_jit_with_a_frozen_teacher():
     import jax
 
@@ -621,23 +668,30 @@ def test_under_jax_jit_with_a_frozen_teacher():
         return P.kl_divergence(teacher, P.linear(hidden, kernel, BIAS), from_logits=True, chunk_size=4, mask=MASK)
 
     value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(STUDENT_HIDDEN, KERNEL, TEACHER_HIDDEN)
-    expected = P.kl_divergence(TEACHER_LOGITS.astype("float32"), STUDENT_LOGITS.astype("float32"), from_logits=True, mask=MASK)
+    expected = P.kl_divergence(
+        TEACHER_LOGITS.astype("float32"), STUDENT_LOGITS.astype("float32"), from_logits=True, mask=MASK
+    )
     np.testing.assert_allclose(float(value), float(to_numpy(expected)), rtol=1e-5)
     assert not np.asarray(grads[2]).any()  # the teacher got no gradient
-    expected_k = grad(lambda k: P.kl_divergence(TEACHER_LOGITS.astype("float32"), _materialised(STUDENT_HIDDEN, k, BIAS), from_logits=True, mask=MASK), KERNEL)
+    expected_k = grad(
+        lambda k: P.kl_divergence(
+            TEACHER_LOGITS.astype("float32"), _materialised(STUDENT_HIDDEN, k, BIAS), from_logits=True, mask=MASK
+        ),
+        KERNEL,
+    )
     np.testing.assert_allclose(np.asarray(grads[1]), expected_k, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["kl_reverse", "cross_entropy_smoothed"])
 def test_auto_chunks_from_hidden_states_take_the_head_budget(name, monkeypatch):
     from keras_penalties import backend
-    from keras_penalties.ops import _numerics as num
+    from keras_penalties.ops import _chunks as chunks
 
     # The measured budgets from hidden states: about 64 rows of 128256 on JAX
     # and torch, 128 on TensorFlow.
     budget = {"jax": 8 * 2**20, "tensorflow": 16 * 2**20, "torch": 8 * 2**20}[BACKEND]
-    assert num.chunk_rows("auto", 128256, 2039, heads=True) == budget // 128256  # 2039 is prime
-    assert num.chunk_rows("auto", 128256, 2048, heads=True) == budget // 128256 // 64 * 64  # 64 or 128: no padding
+    assert chunks.chunk_rows("auto", 128256, 2039, heads=True) == budget // 128256  # 2039 is prime
+    assert chunks.chunk_rows("auto", 128256, 2048, heads=True) == budget // 128256 // 64 * 64  # 64 or 128: no padding
     # 4 rows of 11 classes: a partial last chunk of the 10 positions.
     monkeypatch.setattr(backend, "HEAD_CHUNK_ELEMENTS", 4 * V)
     auto = grads(lambda *x: _loss(name, True, "auto", MASK, *x), *INPUTS.values())

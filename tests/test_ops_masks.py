@@ -21,17 +21,26 @@ MASK[0, 0], MASK[0, 1] = 1.0, 0.0  # at least one kept and one masked
 
 # name -> (ours(p, q, **kw), oracle per-sample values(p, q))
 FUNCTIONS = {
-    "kl_forward": (lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_kl_divergence(p, q, True, reduction="none")),
+    "kl_forward": (
+        lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, **kw),
+        lambda p, q: O.np_kl_divergence(p, q, True, reduction="none"),
+    ),
     "kl_reverse": (
         lambda p, q, **kw: P.kl_divergence(p, q, from_logits=True, direction="reverse", temperature=0.5, **kw),
         lambda p, q: O.np_kl_divergence(p, q, True, direction="reverse", temperature=0.5, reduction="none"),
     ),
-    "js": (lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, **kw), lambda p, q: O.np_js_divergence(p, q, True, reduction="none")),
+    "js": (
+        lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, **kw),
+        lambda p, q: O.np_js_divergence(p, q, True, reduction="none"),
+    ),
     "js_beta": (
         lambda p, q, **kw: P.js_divergence(p, q, from_logits=True, beta=0.2, **kw),
         lambda p, q: O.np_js_divergence(p, q, True, reduction="none", beta=0.2),
     ),
-    "entropy": (lambda p, q, **kw: P.entropy(q, from_logits=True, **kw), lambda p, q: O.np_entropy(q, True, reduction="none")),
+    "entropy": (
+        lambda p, q, **kw: P.entropy(q, from_logits=True, **kw),
+        lambda p, q: O.np_entropy(q, True, reduction="none"),
+    ),
 }
 
 
@@ -47,7 +56,9 @@ def test_masked_value_matches_oracle(name, reduction):
         "none": np.where(kept, values, 0.0),
     }[reduction]
     for mask in (MASK, MASK.astype(bool), 2.0 * MASK):  # float, bool, any nonzero keeps
-        np.testing.assert_allclose(to_numpy(ours(P_LOGITS, Q_LOGITS, mask=mask, reduction=reduction)), expected, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            to_numpy(ours(P_LOGITS, Q_LOGITS, mask=mask, reduction=reduction)), expected, rtol=1e-5, atol=1e-7
+        )
 
 
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
@@ -89,7 +100,9 @@ def test_mask_on_another_axis():
     # Distribution along axis 1: the per-sample shape is [batch, vocab-less rest].
     p, q = np.moveaxis(P_LOGITS, -1, 1), np.moveaxis(Q_LOGITS, -1, 1)
     masked = P.kl_divergence(p, q, from_logits=True, axis=1, mask=MASK)
-    np.testing.assert_allclose(to_numpy(masked), to_numpy(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, mask=MASK)), rtol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(masked), to_numpy(P.kl_divergence(P_LOGITS, Q_LOGITS, from_logits=True, mask=MASK)), rtol=1e-6
+    )
 
 
 # ---------------------------------------------------------------- Term options
@@ -100,7 +113,9 @@ def test_term_mask_names_a_dict_input():
     objective = CompositeObjective(
         {
             "kl": Term("kl_divergence", inputs=("teacher", "student"), options={"from_logits": True, "mask": "mask"}),
-            "h": Term("entropy", 0.5, inputs=("student",), options={"from_logits": True, "mask": "mask", "chunk_size": 5}),
+            "h": Term(
+                "entropy", 0.5, inputs=("student",), options={"from_logits": True, "mask": "mask", "chunk_size": 5}
+            ),
         }
     )
     total, values = objective.compute({"teacher": P_LOGITS, "student": Q_LOGITS, "mask": MASK})
@@ -129,7 +144,9 @@ def test_term_mask_errors_name_the_option():
     with pytest.raises(ValueError, match=r"`options\['mask'\]`='mask' names an input, so the term needs `inputs"):
         Term("entropy", options={"mask": "mask"})
     objective = CompositeObjective({"kl": Term("kl_divergence", inputs=("p", "q"), options={"mask": "tokens"})})
-    with pytest.raises(ValueError, match=r"Term 'kl' takes inputs \['p', 'q', 'tokens'\], but \['tokens'\] is not among"):
+    with pytest.raises(
+        ValueError, match=r"Term 'kl' takes inputs \['p', 'q', 'tokens'\], but \['tokens'\] is not among"
+    ):
         objective.compute({"p": P_LOGITS, "q": Q_LOGITS})
 
 

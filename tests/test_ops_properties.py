@@ -34,7 +34,9 @@ def test_kl_is_non_negative_and_zero_on_itself(pair, direction, temperature):
     p, q = pair
     for from_logits, (a, b) in ((True, (p, q)), (False, (probs(p), probs(q)))):
         value = to_numpy(
-            P.kl_divergence(a, b, from_logits=from_logits, direction=direction, temperature=temperature, reduction="none")
+            P.kl_divergence(
+                a, b, from_logits=from_logits, direction=direction, temperature=temperature, reduction="none"
+            )
         )
         assert np.all(value >= -1e-6), value
         same = to_numpy(P.kl_divergence(a, a, from_logits=from_logits, direction=direction, temperature=temperature))
@@ -55,7 +57,9 @@ def test_normalized_entropy_is_between_0_and_1(x, temperature):
     h = to_numpy(P.entropy(x, from_logits=True, normalize=True, temperature=temperature, reduction="none"))
     assert np.all(h >= -1e-6) and np.all(h <= 1 + 1e-6), h
     raw = to_numpy(P.entropy(x, from_logits=True, temperature=temperature, reduction="none"))
-    np.testing.assert_allclose(raw, stats.entropy(special.softmax(x / temperature, axis=-1), axis=-1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        raw, stats.entropy(special.softmax(x / temperature, axis=-1), axis=-1), rtol=1e-4, atol=1e-5
+    )
 
 
 @given(hnp.arrays(np.float32, shapes, elements=finite), st.floats(-5.0, 5.0, allow_nan=False))

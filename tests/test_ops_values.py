@@ -12,9 +12,7 @@ from tests.oracles import CASES, np_js_divergence
 from tests.testing import BACKEND, grad, to_numpy
 
 VALUE_CASES = [
-    pytest.param(case, shape, id=f"{case.id}-{'x'.join(map(str, shape))}")
-    for case in CASES
-    for shape in case.shapes()
+    pytest.param(case, shape, id=f"{case.id}-{'x'.join(map(str, shape))}") for case in CASES for shape in case.shapes()
 ]
 
 
@@ -47,7 +45,9 @@ def test_js_leaves_its_inputs_as_they_were(from_logits, beta, chunk_size):
     np.testing.assert_array_equal(to_numpy(tq), q)
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="only torch forms the JS value two ways (in place where nothing is differentiated)")
+@pytest.mark.skipif(
+    BACKEND != "torch", reason="only torch forms the JS value two ways (in place where nothing is differentiated)"
+)
 @pytest.mark.parametrize("from_logits", [True, False])
 def test_js_in_place_value_has_the_differentiable_bits(from_logits):
     import torch
@@ -60,7 +60,9 @@ def test_js_in_place_value_has_the_differentiable_bits(from_logits):
         p[:, :10], q[:, :10] = 0.0, 0.0
     for beta in (0.5, 0.1):
         plain = P.js_divergence(p, q, from_logits=from_logits, beta=beta, reduction="none")
-        tracked = P.js_divergence(p.clone().requires_grad_(True), q, from_logits=from_logits, beta=beta, reduction="none")
+        tracked = P.js_divergence(
+            p.clone().requires_grad_(True), q, from_logits=from_logits, beta=beta, reduction="none"
+        )
         assert tracked.requires_grad
         assert torch.equal(plain, tracked.detach())
 
@@ -119,10 +121,15 @@ def test_l1_and_l2_of_large_rows_under_vectorized_map():
     x = np.random.default_rng(3).normal(size=(2, 2**20 + 3)).astype("float32")
     tx = ops.convert_to_tensor(x)
     np.testing.assert_allclose(to_numpy(ops.vectorized_map(P.l1, tx)), np.abs(x.astype(np.float64)).sum(1), rtol=1e-6)
-    np.testing.assert_allclose(to_numpy(ops.vectorized_map(P.l2, tx)), np.square(x.astype(np.float64)).sum(1), rtol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(ops.vectorized_map(P.l2, tx)), np.square(x.astype(np.float64)).sum(1), rtol=1e-6
+    )
 
 
-@pytest.mark.skipif(BACKEND != "torch", reason="torch.autocast is torch's (it runs bmm, which torch's large Σx² uses, in half precision)")
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="torch.autocast is torch's (it runs bmm, which torch's large Σx² uses, in half precision)",
+)
 def test_l2_of_a_large_tensor_stays_float32_under_torch_autocast():
     import torch
 

@@ -152,7 +152,9 @@ BATCH = 8
 
 
 def _linear_model():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2, use_bias=False, kernel_initializer=keras.initializers.Constant(W0))])
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(2, use_bias=False, kernel_initializer=keras.initializers.Constant(W0))]
+    )
     return model
 
 
@@ -305,7 +307,15 @@ def _sparse_problem():
 def _fit_sparse(optimizer, regularizer=None):
     x, y = _sparse_problem()
     model = keras.Sequential(
-        [keras.Input((40,)), keras.layers.Dense(1, use_bias=False, kernel_regularizer=regularizer, kernel_initializer=keras.initializers.RandomNormal(0.0, 0.1, seed=2))]
+        [
+            keras.Input((40,)),
+            keras.layers.Dense(
+                1,
+                use_bias=False,
+                kernel_regularizer=regularizer,
+                kernel_initializer=keras.initializers.RandomNormal(0.0, 0.1, seed=2),
+            ),
+        ]
     )
     model.compile(optimizer, "mse")
     model.fit(x, y, batch_size=64, epochs=30, shuffle=False, verbose=0)
@@ -341,7 +351,15 @@ def test_adam_proximal_l2_against_coupled_l2_and_weight_decay():
 
     def run(optimizer, regularizer=None):
         model = keras.Sequential(
-            [keras.Input((3,)), keras.layers.Dense(1, use_bias=False, kernel_regularizer=regularizer, kernel_initializer=keras.initializers.Constant(w0))]
+            [
+                keras.Input((3,)),
+                keras.layers.Dense(
+                    1,
+                    use_bias=False,
+                    kernel_regularizer=regularizer,
+                    kernel_initializer=keras.initializers.Constant(w0),
+                ),
+            ]
         )
         model.compile(optimizer, "mse")
         model.fit(x, y, batch_size=4, epochs=k, verbose=0)
@@ -463,7 +481,9 @@ SERIALIZABLE = {
     "noise": lambda: GradientNoise(keras.optimizers.SGD(0.05, momentum=0.9), stddev=0.2, decay=0.3, seed=5),
     "agc": lambda: AdaptiveGradientClipping("adam", clip_factor=0.02, eps=1e-2, exclude=["dense_1"]),
     "nested": lambda: GradientCentralization(
-        ProximalDecay(keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.5)), R.L2(0.1, center="mean"))
+        ProximalDecay(
+            keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.5)), R.L2(0.1, center="mean")
+        )
     ),
 }
 
@@ -553,7 +573,11 @@ def test_two_devices_match_one():
     env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.distributed_optimizers_run"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -44,7 +44,8 @@ def test_the_wheel_and_sdist_ship_the_py_typed_marker(tmp_path):
     assert (ROOT / "keras_penalties" / "py.typed").is_file()
     built = subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     (wheel,) = tmp_path.glob("*.whl")

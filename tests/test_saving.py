@@ -57,7 +57,10 @@ def test_save_load_round_trip(tmp_path):
     model = _model()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(10, 6)).astype(np.float32)
-    y = {"logits": rng.normal(size=(10, 4)).astype(np.float32), "magnitude": rng.normal(size=(10, 3)).astype(np.float32)}
+    y = {
+        "logits": rng.normal(size=(10, 4)).astype(np.float32),
+        "magnitude": rng.normal(size=(10, 3)).astype(np.float32),
+    }
     model.fit(x, y, epochs=1, verbose=0)
     loaded = save_and_load(model, tmp_path)
 
@@ -80,9 +83,7 @@ def test_save_load_round_trip(tmp_path):
     assert type(loaded.loss["logits"]) is L.JSDivergence
     assert type(loaded.loss["magnitude"]) is L.Entropy
     assert loaded.loss["logits"].get_config() == model.loss["logits"].get_config()
-    np.testing.assert_allclose(
-        loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6
-    )
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-6)
 
 
 # ---------------------------------------------------------------- what a .keras file may bring in
@@ -164,7 +165,12 @@ def test_composite_loss_terms_are_reported_after_a_reload(tmp_path):
     from keras_penalties.callbacks import PenaltyMonitor
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones")])
-    model.compile(keras.optimizers.SGD(0.0), loss=L.CompositeLoss({"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, name="closs"))
+    model.compile(
+        keras.optimizers.SGD(0.0),
+        loss=L.CompositeLoss(
+            {"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, name="closs"
+        ),
+    )
     x = np.ones((4, 3), "float32")
     loaded = save_and_load(model, tmp_path)
     history = loaded.fit(x, np.zeros((4, 2), "float32"), verbose=0, callbacks=[PenaltyMonitor()]).history
@@ -205,7 +211,9 @@ def test_files_saved_by_0_1_0_load(saved_on):
     assert loaded.optimizer.get_config()["regularizer"] == fresh.optimizer.get_config()["regularizer"]
     np.testing.assert_allclose(loaded.predict(x, verbose=0), fresh.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
     loaded(x), fresh(x)
-    np.testing.assert_allclose([to_numpy(v) for v in loaded.losses], [to_numpy(v) for v in fresh.losses], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        [to_numpy(v) for v in loaded.losses], [to_numpy(v) for v in fresh.losses], rtol=1e-5, atol=1e-6
+    )
     np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), fresh.evaluate(x, y, verbose=0), rtol=1e-5, atol=1e-6)
     # What training learned was saved and comes back: the uncertainty
     # weighting's log-variances, FAMO's weights (equal at the start).

@@ -32,7 +32,11 @@ SMALL = 64
 def _run(devices):
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.sharding_run", str(devices)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "tests.sharding_run", str(devices)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -62,7 +66,8 @@ def _large(found, limit):
 
 @JAX_ONLY
 @pytest.mark.parametrize(
-    "case", ["kl_formed_logits", "entropy_formed_logits", "cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads"]
+    "case",
+    ["kl_formed_logits", "entropy_formed_logits", "cross_entropy_head", "cross_entropy_head_bfloat16", "kl_tied_heads"],
 )
 def test_data_parallel_chunks_stay_on_the_device_that_holds_their_rows(report, case):
     found = report[f"data_parallel/{case}"]
@@ -81,7 +86,9 @@ def test_vocabulary_parallel_heads_keep_the_kernel_gradient_sharded(report, case
     found = report[f"vocabulary_parallel/{case}"]
     assert found["rel"] <= 1e-5
     # The kernel's gradient (the second gradient) stays split on V: [H, V] on axis 1, a tied [V, H] on axis 0.
-    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found["grad_shardings"]
+    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found[
+        "grad_shardings"
+    ]
     # Inside the loop only per-row statistics cross devices ([chunk] or [chunk, H]): nothing [chunk, V] or kernel-sized.
     assert _large(found, CHUNK * HIDDEN) == [], found["collectives"]
 
@@ -93,8 +100,12 @@ def test_batch_and_vocabulary_parallel_heads_split_both(report_four, case):
     found = report_four[f"batch_and_vocabulary_parallel/{case}"]
     assert found["rel"] <= 1e-5
     assert found["grad_shardings"][0] == "P('batch',)"
-    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found["grad_shardings"]
+    assert found["grad_shardings"][1] in ("P(None, 'model')", "P('model',)", "P('model', None)"), found[
+        "grad_shardings"
+    ]
     # Per-row statistics, and the kernel's gradient shard summed over the batch axis once.
     assert len(_large(found, CHUNK * HIDDEN)) <= 1, found["collectives"]
-    assert all(np.prod(s) <= HIDDEN * VOCAB // 2 for _, shapes in found["collectives"] for s in shapes), found["collectives"]
+    assert all(np.prod(s) <= HIDDEN * VOCAB // 2 for _, shapes in found["collectives"] for s in shapes), found[
+        "collectives"
+    ]
     assert found["temp_two"] <= found["temp_one"] + found["replicated_grad_bytes"], found

@@ -54,7 +54,9 @@ def test_metrics_are_logged_beside_their_term(policy):
     model = _model()
     history = model.fit(X, Y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]).history
     rtol = 1e-5 if policy == "float32" else 2e-2
-    np.testing.assert_allclose(history["obj/sparsity/zeros"][0], _batches(lambda x: np.mean(_hidden(x) == 0), X, 4), rtol=rtol)
+    np.testing.assert_allclose(
+        history["obj/sparsity/zeros"][0], _batches(lambda x: np.mean(_hidden(x) == 0), X, 4), rtol=rtol
+    )
     # An ops function named as a metric gets a term's default reduction: Σh² / batch.
     np.testing.assert_allclose(
         history["obj/sparsity/l2"][0], _batches(lambda x: np.sum(_hidden(x) ** 2) / len(x), X, 4), rtol=rtol
@@ -63,7 +65,9 @@ def test_metrics_are_logged_beside_their_term(policy):
     expected = np.mean([np.max(np.abs(Y[i : i + 4] - pred[i : i + 4])) for i in range(0, 16, 4)])
     np.testing.assert_allclose(history["closs/mse/max_error"][0], expected, rtol=rtol)
     result = model.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True, callbacks=[PenaltyMonitor()])
-    np.testing.assert_allclose(result["obj/sparsity/zeros"], _batches(lambda x: np.mean(_hidden(x) == 0), X, 8), rtol=rtol)
+    np.testing.assert_allclose(
+        result["obj/sparsity/zeros"], _batches(lambda x: np.mean(_hidden(x) == 0), X, 8), rtol=rtol
+    )
 
 
 def test_metrics_never_count_in_the_loss():
@@ -73,14 +77,14 @@ def test_metrics_never_count_in_the_loss():
 
 
 def test_report_has_them_under_custom():
-    objective = CompositeObjective(
-        {"sparsity": Term("l1", metrics={"zeros": zero_fraction}), "plain": Term("l2")}
-    )
+    objective = CompositeObjective({"sparsity": Term("l1", metrics={"zeros": zero_fraction}), "plain": Term("l2")})
     h = np.maximum(X, 0.0)
     report = objective.report(h)
     np.testing.assert_allclose(report["regularizers"]["sparsity"]["custom"]["zeros"], np.mean(h == 0), rtol=1e-6)
     assert report["regularizers"]["plain"]["custom"] == {}
-    np.testing.assert_allclose(report["regularizer_total"], np.sum(np.abs(h)) / len(h) + np.sum(h**2) / len(h), rtol=1e-5)
+    np.testing.assert_allclose(
+        report["regularizer_total"], np.sum(np.abs(h)) / len(h) + np.sum(h**2) / len(h), rtol=1e-5
+    )
 
 
 def test_metrics_save_and_load(tmp_path):
@@ -90,7 +94,9 @@ def test_metrics_save_and_load(tmp_path):
     assert list(term.metrics) == ["zeros", "l2"] and term.metrics["zeros"] is zero_fraction
     assert term.get_config()["metrics"]["l2"] == "l2"
     history = loaded.fit(X, Y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]).history
-    np.testing.assert_allclose(history["obj/sparsity/zeros"][0], _batches(lambda x: np.mean(_hidden(x) == 0), X, 4), rtol=1e-5)
+    np.testing.assert_allclose(
+        history["obj/sparsity/zeros"][0], _batches(lambda x: np.mean(_hidden(x) == 0), X, 4), rtol=1e-5
+    )
 
 
 def test_an_unregistered_function_saves_but_does_not_load(tmp_path):

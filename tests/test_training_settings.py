@@ -66,7 +66,9 @@ def test_objective_under_mixed_precision(policy, auto_scale_loss):
     history = model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[monitor]).history
 
     for variable in objective.non_trainable_weights:
-        assert variable.dtype in ("float32", "int32") and not variable._autocast, variable.path  # private: no public reader
+        assert variable.dtype in ("float32", "int32") and not variable._autocast, (
+            variable.path
+        )  # private: no public reader
     assert int(to_numpy(objective.step)) == 5004
     np.testing.assert_allclose(to_numpy(objective.effective_weights()), [1e5, 0.5004, 1e-8], rtol=1e-6)
 
@@ -85,7 +87,9 @@ def test_objective_under_mixed_precision(policy, auto_scale_loss):
     # After batch t the next step's weight is in force: (5000 + t + 1) / 1e4.
     np.testing.assert_allclose(probe["obj/ent/weight"], (5001 + probe["step"]) / 1e4, rtol=1e-6)
     np.testing.assert_allclose(probe["obj/l1/contribution"], 1e5 * l1[0], rtol=1e-6)
-    np.testing.assert_allclose(probe["total"] - probe["base_loss"], 1e5 * l1[0] + probe["obj/ent/weight"] * ent[0] + 1e-8 * l2[0], rtol=1e-6)
+    np.testing.assert_allclose(
+        probe["total"] - probe["base_loss"], 1e5 * l1[0] + probe["obj/ent/weight"] * ent[0] + 1e-8 * l2[0], rtol=1e-6
+    )
     assert all(v.dtype == "float32" for m in model.metrics for v in m.variables)
 
 
@@ -102,7 +106,10 @@ def test_objective_adds_a_float32_loss(policy):
 REGULARIZERS = {
     "l1": (R.L1(1e-4), lambda x: 1e-4 * np.abs(x).sum()),
     "l2": (R.L2(1e-4, center=0.5), lambda x: 1e-4 * np.square(x - 0.5).sum()),
-    "elastic_net": (R.ElasticNet(1e-4, l1_ratio=0.25), lambda x: 1e-4 * (0.25 * np.abs(x).sum() + 0.75 * np.square(x).sum())),
+    "elastic_net": (
+        R.ElasticNet(1e-4, l1_ratio=0.25),
+        lambda x: 1e-4 * (0.25 * np.abs(x).sum() + 0.75 * np.square(x).sum()),
+    ),
     "output_magnitude": (R.OutputMagnitude(1e-4), lambda x: 1e-4 * O.np_output_magnitude(x, 1.0, reduction="sum")),
     "entropy": (R.Entropy(1e-4, from_logits=True), lambda x: 1e-4 * O.np_entropy(x, from_logits=True, reduction="sum")),
 }
@@ -130,7 +137,9 @@ def test_activity_regularizers_fit_under_mixed_float16(policy):
     inputs = keras.Input((6,))
     hidden = inputs
     for regularizer in (R.L1(1e-2), R.OutputMagnitude(1e-2), R.Entropy(1e-2, from_logits=True)):
-        hidden = keras.layers.Dense(6, kernel_initializer="identity", trainable=False, activity_regularizer=regularizer)(hidden)
+        hidden = keras.layers.Dense(
+            6, kernel_initializer="identity", trainable=False, activity_regularizer=regularizer
+        )(hidden)
     # Zero outputs and targets: the loss is the penalty alone.
     outputs = keras.layers.Dense(2, kernel_initializer="zeros")(hidden)
     model = keras.Model(inputs, outputs)
@@ -138,7 +147,15 @@ def test_activity_regularizers_fit_under_mixed_float16(policy):
     history = model.fit(X, np.zeros_like(Y), batch_size=8, epochs=1, shuffle=False, verbose=0).history
     penalty = np.mean(
         _per_batch(
-            lambda h: 1e-2 * (np.abs(h).sum() + O.np_output_magnitude(h, 1.0, reduction="sum") + O.np_entropy(h, True, reduction="sum")) / len(h),
+            lambda h: (
+                1e-2
+                * (
+                    np.abs(h).sum()
+                    + O.np_output_magnitude(h, 1.0, reduction="sum")
+                    + O.np_entropy(h, True, reduction="sum")
+                )
+                / len(h)
+            ),
             X.astype(np.float64),
             8,
         )
@@ -151,7 +168,9 @@ def test_composite_loss_under_mixed_precision(policy):
     inputs = keras.Input((6,))
     logits = keras.layers.Dense(6, kernel_initializer="identity")(inputs)
     model = keras.Model(inputs, logits)
-    loss = L.CompositeLoss({"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, weights={"ent": 1e5})
+    loss = L.CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, weights={"ent": 1e5}
+    )
     model.compile(keras.optimizers.SGD(0.0), loss=loss)
     history = model.fit(X, X, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]).history
     ent = np.mean(_per_batch(_entropy_from_logits, X.astype(np.float64), 8))
@@ -254,7 +273,9 @@ EMPTY_OPS = {
     "loss_consistency": lambda x: L.Consistency()(x, x + 1.0),
     "loss_entropy": lambda x: L.Entropy(from_logits=True)(None, x),
     "composite_loss": lambda x: L.CompositeLoss({"kl": L.KLDivergence(from_logits=True), "l1": "l1"})(x, x + 1.0),
-    "objective": lambda x: CompositeObjective({"l1": "l1", "ent": Term("entropy", options={"from_logits": True})}).compute(x)[0],
+    "objective": lambda x: CompositeObjective(
+        {"l1": "l1", "ent": Term("entropy", options={"from_logits": True})}
+    ).compute(x)[0],
     "objective_regularizer_term": lambda x: CompositeObjective({"mag": R.OutputMagnitude(1.0)}).compute(x)[0],
 }
 

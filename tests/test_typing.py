@@ -9,7 +9,8 @@ import inspect
 import pytest
 
 from keras_penalties import callbacks, distillation, gradients, losses, ops, optimizers, regularizers
-from keras_penalties.objective import CompositeLoss, CompositeObjective
+from keras_penalties.losses import CompositeLoss
+from keras_penalties.objective import CompositeObjective
 from keras_penalties.terms import Term
 
 PUBLIC = (
@@ -46,7 +47,8 @@ def _functions(obj):
 def _missing(fn):
     signature = inspect.signature(fn)
     missing = [
-        p.name for i, p in enumerate(signature.parameters.values())
+        p.name
+        for i, p in enumerate(signature.parameters.values())
         if p.annotation is inspect.Parameter.empty and not (i == 0 and p.name in ("self", "cls"))
     ]
     if signature.return_annotation is inspect.Signature.empty:

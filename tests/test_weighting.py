@@ -118,9 +118,7 @@ def test_composite_loss_log_variances_are_trained_without_passing_the_model(kind
         warnings.filterwarnings("error", message="Skipping variable loading")
         loaded = save_and_load(model, tmp_path)
     np.testing.assert_allclose(to_numpy(loaded.loss.log_variances), expected, rtol=1e-6)
-    np.testing.assert_allclose(
-        to_numpy(loaded.predict(X, verbose=0)), X @ KERNEL, rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(to_numpy(loaded.predict(X, verbose=0)), X @ KERNEL, rtol=1e-5, atol=1e-6)
     # Training goes on from the saved s and momentum: two more steps.
     loaded.fit(X, Y, batch_size=8, epochs=2, verbose=0)
     expected = _uncertainty_steps(lambda: _losses(X @ KERNEL), 5, 0.1, momentum=0.5)
@@ -148,13 +146,16 @@ def test_the_multiplier_scales_the_log_variances_gradient_under_sgd(policy, tmp_
     model = _frozen_head()
     loss = CompositeLoss(
         {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
-        weighting="uncertainty", weighting_learning_rate_multiplier=0.5,
+        weighting="uncertainty",
+        weighting_learning_rate_multiplier=0.5,
     )
     model.compile(keras.optimizers.SGD(0.1), loss=loss)
     pred = to_numpy(model.predict(X, verbose=0))
     model.fit(X, Y, batch_size=8, epochs=3, verbose=0)
     expected = _uncertainty_steps(lambda: _losses(pred), 3, 0.1 * 0.5)
-    np.testing.assert_allclose(to_numpy(loss.log_variances), expected, rtol=1e-3 if policy.startswith("mixed") else 1e-5)
+    np.testing.assert_allclose(
+        to_numpy(loss.log_variances), expected, rtol=1e-3 if policy.startswith("mixed") else 1e-5
+    )
 
 
 @pytest.mark.parametrize("target", ["objective", "loss"])
@@ -163,6 +164,7 @@ def test_weight_decay_never_reaches_the_log_variances(target):
     Adam, same learning rate). The objective reads the inputs, so its terms
     do not depend on the head, whose kernel AdamW does decay; the loss's
     head is frozen (its terms would follow a decayed head)."""
+
     def run(optimizer):
         keras.utils.set_random_seed(5)
         inputs = keras.Input((3,))
@@ -242,15 +244,16 @@ def test_famo_on_an_objective_follows_the_algorithm(policy, tmp_path):
     values 100× apart in scale; the head outputs 0 for targets 0, so the
     loss is Σ wᵢ·Lᵢ alone."""
     inputs = keras.Input((3,))
-    h = CompositeObjective(
-        {"a": "l2", "b": Term("l1", 0.01)}, weighting="famo", famo_learning_rate=0.2, name="obj"
-    )(inputs)
+    h = CompositeObjective({"a": "l2", "b": Term("l1", 0.01)}, weighting="famo", famo_learning_rate=0.2, name="obj")(
+        inputs
+    )
     model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False)(h))
     model.compile(keras.optimizers.SGD(0.1), loss="mse")
     xs = X * np.array([10.0, 10.0, 10.0], "float32")
-    history = model.fit(xs, np.zeros((8, 1), "float32"), batch_size=2, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[PenaltyMonitor()])
-    values = [_terms_of(xs[i:i + 2]) for i in range(0, 8, 2)] * 2
+    history = model.fit(
+        xs, np.zeros((8, 1), "float32"), batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]
+    )
+    values = [_terms_of(xs[i : i + 2]) for i in range(0, 8, 2)] * 2
     weights, xi = _famo_oracle(values, lr=0.2)
     objective = model.get_layer("obj")
     np.testing.assert_allclose(to_numpy(objective.famo_logits), xi, rtol=1e-4, atol=1e-6)
@@ -282,7 +285,7 @@ def test_famo_on_a_composite_loss_follows_the_algorithm_and_evaluate_leaves_it(p
     values = []
     for _ in range(3):
         for i in (0, 4):
-            p, y = pred[i:i + 4].astype(np.float64), Y[i:i + 4].astype(np.float64)
+            p, y = pred[i : i + 4].astype(np.float64), Y[i : i + 4].astype(np.float64)
             values.append(np.array([np.mean((p - y) ** 2), np.mean(np.abs(p - y))]))
     weights, xi = _famo_oracle(values)
     rtol = 1e-2 if policy.startswith("mixed") else 1e-4
@@ -293,6 +296,36 @@ def test_famo_on_a_composite_loss_follows_the_algorithm_and_evaluate_leaves_it(p
         warnings.filterwarnings("error", message="Skipping variable loading")
         loaded = save_and_load(model, tmp_path)
     np.testing.assert_allclose(to_numpy(loaded.loss.state.famo_logits), to_numpy(loss.state.famo_logits))
+
+
+def test_famo_on_a_composite_loss_steps_in_a_custom_loop_as_in_fit():
+    """`compute(..., training=True)` once per step of a custom loop moves
+    FAMO's state as `fit`'s training steps do (the oracle of the test above,
+    on the same batches); `training=False` and calling the loss leave it."""
+    loss = CompositeLoss(
+        {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo"
+    )
+    pred = to_numpy(_frozen_head()(X))
+    values, totals = [], []
+    for _ in range(3):
+        for i in (0, 4):
+            p, y = pred[i : i + 4], Y[i : i + 4]
+            total, terms = loss.compute(y, p, training=True)
+            loss.compute(y, p)  # an evaluation's call: nothing moves
+            loss(y, p)
+            totals.append(float(to_numpy(total)))
+            assert sorted(terms) == ["mae", "mse"]
+            p, y = p.astype(np.float64), y.astype(np.float64)
+            values.append(np.array([np.mean((p - y) ** 2), np.mean(np.abs(p - y))]))
+    weights, xi = _famo_oracle(values)
+    np.testing.assert_allclose(to_numpy(loss.state.famo_logits), xi, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(loss.state.famo_steps), 6)
+    np.testing.assert_allclose(list(loss.weights_in_use().values()), weights[-1], rtol=1e-4)
+    # Each step's total is Σ cᵢzᵢ·log Dᵢ with that step's weights, cᵢzᵢ = wᵢ·Dᵢ.
+    log_d = np.log(np.array(values) + 1e-8)
+    np.testing.assert_allclose(totals, np.sum(weights * np.exp(log_d) * log_d, axis=1), rtol=1e-4, atol=1e-6)
+    with pytest.raises(TypeError, match="`training`"):
+        loss.compute(Y, pred, training="yes")
 
 
 def test_famo_gradient_is_the_effective_weights_times_each_loss_gradient():
@@ -438,7 +471,12 @@ def test_dynamic_weight_average_on_an_objective():
     keras.utils.set_random_seed(1)
     model = _trainable_model("mse")
     logs = model.fit(
-        X, Y, batch_size=4, epochs=4, verbose=0, validation_data=(2 * X, -Y),
+        X,
+        Y,
+        batch_size=4,
+        epochs=4,
+        verbose=0,
+        validation_data=(2 * X, -Y),
         callbacks=[PenaltyMonitor(), DynamicWeightAverage("obj")],
     ).history
     means = np.stack([logs["obj/a"], logs["obj/b"]], axis=1)
@@ -570,6 +608,7 @@ def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_on
 def test_gradnorm_on_a_composite_loss_leaves_training_as_it_would_be_with_those_weights():
     """The probe changes nothing but the weights: training with GradNorm at
     a learning rate → 0 is training without it."""
+
     def run(callbacks):
         keras.utils.set_random_seed(3)
         model = _trainable_model(
@@ -578,12 +617,12 @@ def test_gradnorm_on_a_composite_loss_leaves_training_as_it_would_be_with_those_
         model.fit(X, Y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
         return [to_numpy(v) for v in model.trainable_variables]
 
-    gradnorm = GradNorm(
-        "composite_loss", "shared", optimizer=keras.optimizers.SGD(1e-12), probe_data=(X[:4], Y[:4])
-    )
+    gradnorm = GradNorm("composite_loss", "shared", optimizer=keras.optimizers.SGD(1e-12), probe_data=(X[:4], Y[:4]))
     for a, b in zip(run([gradnorm]), run([])):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert len(gradnorm.history) == 4 and all(np.isfinite(list(e["grad_norms"].values())).all() for e in gradnorm.history)
+    assert len(gradnorm.history) == 4 and all(
+        np.isfinite(list(e["grad_norms"].values())).all() for e in gradnorm.history
+    )
 
 
 # ---------------------------------------------------------------- errors and serialization
@@ -597,8 +636,9 @@ def test_weighting_errors_name_the_argument():
     with pytest.raises(ValueError, match="`weighting_learning_rate_multiplier`"):
         CompositeObjective({"a": "l2"}, weighting="uncertainty", weighting_learning_rate_multiplier=0.0)
     with pytest.raises(TypeError, match="`weighting_learning_rate_multiplier`"):
-        CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting="uncertainty",
-                      weighting_learning_rate_multiplier="fast")
+        CompositeLoss(
+            {"a": keras.losses.MeanSquaredError()}, weighting="uncertainty", weighting_learning_rate_multiplier="fast"
+        )
     with pytest.raises(ValueError, match="applies with weighting='uncertainty'"):
         CompositeObjective({"a": "l2"}, weighting_learning_rate_multiplier=2.0)
     objective = CompositeObjective({"a": "l2"}, weighting="uncertainty")

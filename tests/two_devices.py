@@ -9,7 +9,6 @@ Only a run's own process may call them: pytest imports these modules
 
 import os
 
-import numpy as np
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
 BATCH = 8  # the runs' global batch: 4 samples per replica

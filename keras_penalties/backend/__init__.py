@@ -27,6 +27,8 @@ names, and importing fails if one is defined by neither):
   derivative, and a chunk's gradient is first order anyway).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
+- `is_half(dtype)`: whether a dtype is float16 or bfloat16 (the package
+  computes those in float32).
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, one chunk at a time, each row's gradient formed
   with its value so that the backward pass recomputes nothing (a
@@ -111,6 +113,7 @@ _NAMES = (
     "pick_labels",
     "label_cross_entropy",
     "smallest_normal",
+    "is_half",
     "map_chunks",
     "chunked_sum",
     "SHARES_SOFTMAX",

@@ -300,7 +300,7 @@ def unit_clip(grads, weights, clip_factor, eps):
     with torch.no_grad():
         for g, w in zip(grads, weights):
             g32, w32 = g, w
-            if _is_half(g.dtype) or _is_half(w.dtype):
+            if _common.is_half(g.dtype) or _common.is_half(w.dtype):
                 g32, w32 = g.float(), w.float()
             if g.ndim > 1:
                 units = g.shape[-1]
@@ -342,10 +342,6 @@ def _transform_active():
     transform (torch 2.0 on; read in 2.13)."""
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
     return True if peek is None else peek() is not None
-
-
-def _is_half(dtype):
-    return dtype in (torch.float16, torch.bfloat16)
 
 
 # Below this many classes torch's CPU softmax and log_softmax leave their

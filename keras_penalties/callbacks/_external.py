@@ -11,7 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties.ops import _numerics as num
+from keras_penalties import _validation as check
 from keras_penalties.terms import METRIC_NAME_PATTERN
 
 
@@ -28,7 +28,7 @@ def _check_external(external, timeout):
             )
         if not callable(fn):
             raise TypeError(f"`external[{name!r}]` must be a function f(x, y, y_pred); got {fn!r}.")
-    return dict(external), num.positive("external_timeout", timeout)
+    return dict(external), check.positive("external_timeout", timeout)
 
 
 class _Score:

@@ -7,16 +7,12 @@ from keras import ops
 
 from keras_penalties import _capture, _keras_internals, gradients
 from keras_penalties.callbacks._targets import _layers
-from keras_penalties.objective import CompositeLoss
+from keras_penalties.losses import CompositeLoss
 
 
 def _probe_batch(probe_data):
     """`(x, y)`, `[x, y]` or `x` as tensors, checked before any tensor work."""
-    x, y = (
-        tuple(probe_data)
-        if isinstance(probe_data, (tuple, list)) and len(probe_data) == 2
-        else (probe_data, None)
-    )
+    x, y = tuple(probe_data) if isinstance(probe_data, (tuple, list)) and len(probe_data) == 2 else (probe_data, None)
     for name, part in (("x", x), ("y", y)):
         for leaf in keras.tree.flatten(part):
             if isinstance(leaf, (str, bytes)) or (leaf is not None and not hasattr(leaf, "shape")):

@@ -7,7 +7,8 @@ from typing import TypeAlias
 import keras
 
 from keras_penalties import _keras_internals
-from keras_penalties.objective import CompositeLoss, CompositeObjective
+from keras_penalties.losses import CompositeLoss
+from keras_penalties.objective import CompositeObjective
 
 # What `target` may be: a composite of the model, or its name there.
 _Target: TypeAlias = CompositeObjective | CompositeLoss | str

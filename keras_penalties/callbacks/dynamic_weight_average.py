@@ -6,11 +6,11 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_penalties import _validation as check
 from keras_penalties._term_means import objective_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._targets import _add_to_model, _check_target, _log_weights, _settable_target, _Target
-from keras_penalties.objective import CompositeLoss
-from keras_penalties.ops import _numerics as num
+from keras_penalties.losses import CompositeLoss
 
 
 class DynamicWeightAverage(keras.callbacks.Callback):
@@ -38,7 +38,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
     def __init__(self, target: _Target, temperature: float = 2.0) -> None:
         super().__init__()
         self.target_spec = _check_target(target)
-        self.temperature = num.positive("temperature", temperature)
+        self.temperature = check.positive("temperature", temperature)
         self.target: Any = None  # the CompositeObjective or CompositeLoss, from set_model
         self.epoch_means: list[np.ndarray] = []
 

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._probe import _Probe, _probe_batch
@@ -18,8 +19,7 @@ from keras_penalties.callbacks._targets import (
     _settable_target,
     _Target,
 )
-from keras_penalties.objective import CompositeLoss
-from keras_penalties.ops import _numerics as num
+from keras_penalties.losses import CompositeLoss
 
 
 class GradNorm(keras.callbacks.Callback):
@@ -91,9 +91,9 @@ class GradNorm(keras.callbacks.Callback):
         if not (isinstance(layer, keras.layers.Layer) or (isinstance(layer, str) and layer)):
             raise TypeError(f"`layer` must be a Layer of the model or its name; got {layer!r}.")
         self.layer_spec = layer
-        self.alpha = num.non_negative("alpha", alpha)
+        self.alpha = check.non_negative("alpha", alpha)
         self.optimizer = _own_optimizer(optimizer)
-        self.every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
+        self.every_n_batches = check.positive_integer("every_n_batches", every_n_batches)
         if probe_data is None:
             raise TypeError("`probe_data` is required: GradNorm measures gradient norms on a fixed batch.")
         self.probe_data = _probe_batch(probe_data)
@@ -175,18 +175,19 @@ class GradNorm(keras.callbacks.Callback):
         for name, weight in zip(self.target.terms, new):
             self.target.set_weight(name, float(weight))
         names = list(self.target.terms)
-        self.history.append({
-            "step": self._step,
-            "values": dict(zip(names, values.tolist())),
-            "grad_norms": dict(zip(names, norms.tolist())),
-            "weights": dict(zip(names, new.tolist())),
-        })
+        self.history.append(
+            {
+                "step": self._step,
+                "values": dict(zip(names, values.tolist())),
+                "grad_norms": dict(zip(names, norms.tolist())),
+                "weights": dict(zip(names, new.tolist())),
+            }
+        )
         _log_weights(self.target, logs)
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         self.model  # noqa: B018
         _log_weights(self.target, logs)
-
 
 
 def _own_optimizer(optimizer):

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import keras
 
+from keras_penalties import _validation as check
 from keras_penalties._term_means import objective_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._external import _check_external, _ExternalScores
@@ -12,7 +13,6 @@ from keras_penalties.callbacks._plot import _figure, _pyplot
 from keras_penalties.callbacks._probe import _Cadence, _Probe, _probe_batch
 from keras_penalties.callbacks._targets import _add_to_model, _composite_losses, _layers, _log_weights
 from keras_penalties.objective import CompositeObjective
-from keras_penalties.ops import _numerics as num
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -95,7 +95,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.external, self.external_timeout = _check_external(external, external_timeout)
         if self.external and probe_data is None:
             raise ValueError("`external` scores run on probes: give `probe_data` too.")
-        every_n_batches = num.positive_integer("every_n_batches", every_n_batches)
+        every_n_batches = check.positive_integer("every_n_batches", every_n_batches)
         if not isinstance(grad_norms, bool):
             raise TypeError(f"`grad_norms` must be a bool; got {grad_norms!r}.")
         if probe_data is not None:

@@ -6,6 +6,9 @@ function of tensors that runs inside `jit` on JAX, TensorFlow and PyTorch.
 Options are keyword-only.
 """
 
+from typing import get_args
+
+from keras_penalties._types import PenaltyName
 from keras_penalties.ops.divergences import (
     consistency,
     entropy,
@@ -38,4 +41,4 @@ __all__ = [
 
 # The functions a `Term` may name: each returns a scalar penalty (not
 # `linear`, which describes logits for them).
-PENALTIES = tuple(name for name in __all__ if name not in ("LinearLogits", "linear"))
+PENALTIES = get_args(PenaltyName)

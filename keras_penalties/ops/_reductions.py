@@ -117,8 +117,7 @@ def sample_mask(mask, x, axis, name="mask", boolean=True):
     expected, got = without_axis(x.shape, axis), tuple(mask.shape)
     if shapes_differ(got, expected):
         raise ValueError(
-            f"`{name}` must have the per-sample shape {expected} (the input's shape without "
-            f"`axis`); got {got}."
+            f"`{name}` must have the per-sample shape {expected} (the input's shape without `axis`); got {got}."
         )
     return ops.cast(mask, "bool") if boolean else mask
 

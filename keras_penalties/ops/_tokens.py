@@ -13,11 +13,13 @@ no [positions, classes] array is ever formed, forward or backward.
 
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Tensor
+from keras_penalties.ops import _chunks as chunks
+from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
-
 
 
 class LinearLogits:
@@ -72,7 +74,9 @@ class LinearLogits:
         return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}>"
 
 
-def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None, weights=None):
+def token_level(
+    values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None, weights=None
+):
     """`values_fn(*tensors, axis=axis[, labels=labels])`, the per-position
     values, reduced over the positions `mask` keeps (see `kl_divergence`).
 
@@ -85,12 +89,13 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
     if any(lazy):
         _check_lazy(names, lazy, from_logits, reduction, chunk_size)
     tensors = [t if is_lazy else backend.as_tensor(t) for t, is_lazy in zip(tensors, lazy)]
-    compute, dtype = num.dtype_pair([p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])])
+    parts = [p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])]
+    compute, dtype = dtypes.dtype_pair(parts)
     if len(tensors) == 2:
-        num.check_same_shape(names, *tensors)
-    num.check_rank(names[0], tensors[0], 1, num.DISTRIBUTION_AXIS)
+        check.check_same_shape(names, *tensors)
+    check.check_rank(names[0], tensors[0], 1, num.DISTRIBUTION_AXIS)
     rank = len(tensors[0].shape)
-    axis = num.check_axis("axis", axis, rank)
+    axis = check.check_axis("axis", axis, rank)
     if any(lazy) and axis != rank - 1:
         raise ValueError(
             f"`axis` must be the last axis (-1) when an input is ops.linear(...): its classes are "
@@ -103,12 +108,12 @@ def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *,
         labels = _labels(labels, tensors[0], axis, mask, weights)
     if any(lazy) and chunk_size is not None:
         total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
-        return num.from_compute(total, dtype)
+        return dtypes.from_compute(total, dtype)
     tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
-    values = num.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
+    values = chunks.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
     if weights is not None:
-        return num.from_compute(ops.sum(values * weights), dtype)
-    return num.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
+        return dtypes.from_compute(ops.sum(values * weights), dtype)
+    return dtypes.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
 
 
 def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
@@ -117,7 +122,7 @@ def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
         raise ValueError(f"`{name}` is ops.linear(...) logits: pass `from_logits=True`.")
     if reduction == "none" and chunk_size is not None:
         raise ValueError(
-            f"`reduction='none'` with ops.linear(...) logits and `chunk_size`: each position's "
+            "`reduction='none'` with ops.linear(...) logits and `chunk_size`: each position's "
             "gradient w.r.t. the kernel would need that position's upstream gradient, that is the "
             "whole [positions, classes] logits gradient the chunks exist to avoid. Use 'mean' or "
             "'sum' (a mask selects positions), or chunk_size=None to form the logits."
@@ -180,12 +185,12 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
 
     n = ops.shape((heads[0][0] if heads else rows[0]))[0]
     classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
-    chunk_size = num.chunk_rows(chunk_size, classes, n, heads=True)
+    chunk_size = chunks.chunk_rows(chunk_size, classes, n, heads=True)
     weights = _row_weights(mask, weights, reduction, n, compute)
     # Padding rows weigh 0: zero hidden states give the bias as logits, zero
     # logits and label 0 are as finite, and none adds to the total.
-    rows = [num.padded_rows(r, n, chunk_size, 0) for r in rows]
+    rows = [chunks.padded_rows(r, n, chunk_size, 0) for r in rows]
     for head in heads:
-        head[0] = num.padded_rows(head[0], n, chunk_size, 0)
-    weights = num.padded_rows(weights, n, chunk_size, 0)
+        head[0] = chunks.padded_rows(head[0], n, chunk_size, 0)
+    weights = chunks.padded_rows(weights, n, chunk_size, 0)
     return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)

@@ -16,36 +16,37 @@ Conventions shared by all of them:
 
 import functools
 import math
+from typing import get_args
 
 import numpy as np
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike
+from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
-DIRECTIONS = ("forward", "reverse", "symmetric")
-METRICS = ("mse", "l1", "cosine", "kl", "js")
+DIRECTIONS = get_args(Direction)
+METRICS = get_args(Metric)
 
 
 _DISTRIBUTION_OPTIONS = dict(
-    from_logits=num.boolean,
-    temperature=num.positive,
-    axis=num.integer,
-    reduction=num.REDUCTION,
+    from_logits=check.boolean,
+    temperature=check.positive,
+    axis=check.integer,
+    reduction=check.REDUCTION,
 )
-_TOKEN_OPTIONS = dict(chunk_size=num.chunk_size)
-
-
+_TOKEN_OPTIONS = dict(chunk_size=check.chunk_size)
 
 
 def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_rank: int = 1) -> int:
-    num.check_same_shape(names, p, q)
+    check.check_same_shape(names, p, q)
     if min_rank:
-        num.check_rank(names[0], p, min_rank, num.DISTRIBUTION_AXIS)
-    return num.check_axis("axis", axis, max(len(p.shape), 1))
+        check.check_rank(names[0], p, min_rank, num.DISTRIBUTION_AXIS)
+    return check.check_axis("axis", axis, max(len(p.shape), 1))
 
 
 def _kl_from_log(p: Tensor, logp: Tensor, logq: Tensor, axis: int) -> Tensor:
@@ -53,7 +54,7 @@ def _kl_from_log(p: Tensor, logp: Tensor, logq: Tensor, axis: int) -> Tensor:
     return backend.reduce_sum(p * (logp - logq), axis=axis)
 
 
-@num.options(direction=num.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(direction=check.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def kl_divergence(
     p: TensorLike | LinearLogits,
     q: TensorLike | LinearLogits,
@@ -117,7 +118,9 @@ def kl_divergence(
     return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
-def _kl_values(p: Tensor, q: Tensor, *, direction: Direction, from_logits: bool, temperature: float, axis: int) -> Tensor:
+def _kl_values(
+    p: Tensor, q: Tensor, *, direction: Direction, from_logits: bool, temperature: float, axis: int
+) -> Tensor:
     kw = dict(from_logits=from_logits, temperature=temperature, axis=axis)
     # Only the weighting distribution is needed as probabilities: forming the
     # other would cost a pass over the tensor outside jit.
@@ -146,7 +149,7 @@ def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, a
 
 
 def _beta(name: str, value: float) -> float:
-    value = num.number(name, value)
+    value = check.number(name, value)
     if value == 0.0 or value == 1.0:
         raise ValueError(
             f"`{name}` must lie strictly between 0 and 1; got {value!r}. The generalized "
@@ -159,7 +162,7 @@ def _beta(name: str, value: float) -> float:
     return value
 
 
-@num.options(beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def js_divergence(
     p: TensorLike | LinearLogits,
     q: TensorLike | LinearLogits,
@@ -194,7 +197,7 @@ def js_divergence(
     return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
-@num.options(normalize=num.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(normalize=check.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def entropy(
     x: TensorLike | LinearLogits,
     *,
@@ -244,11 +247,11 @@ def _entropy_values(x: Tensor, *, from_logits: bool, normalize: bool, temperatur
     return values
 
 
-@num.options(
-    metric=num.choice(*METRICS),
-    from_logits=num.boolean,
-    axis=num.integer,
-    reduction=num.REDUCTION,
+@check.options(
+    metric=check.choice(*METRICS),
+    from_logits=check.boolean,
+    axis=check.integer,
+    reduction=check.REDUCTION,
 )
 def consistency(
     a: TensorLike,
@@ -282,7 +285,7 @@ def consistency(
     1.0
     """
     # mse and l1 of two scalars are defined; the other metrics need an axis.
-    (a, b), dtype = num.to_compute(a, b)
+    (a, b), dtype = dtypes.to_compute(a, b)
     axis = _check_pair(a, b, ("a", "b"), axis, min_rank=0 if metric in ("mse", "l1") else 1)
     if metric == "kl":
         pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
@@ -311,10 +314,10 @@ def consistency(
             positive = denom > 0
             cos = ops.where(positive, dot / ops.where(positive, denom, 1.0), 0.0)
             values = 1.0 - cos
-    return num.from_compute(reductions.reduce(values, reduction), dtype)
+    return dtypes.from_compute(reductions.reduce(values, reduction), dtype)
 
 
-@num.options(target=num.open_unit, axis=num.integer)
+@check.options(target=check.open_unit, axis=check.integer)
 def kl_sparsity(x: TensorLike, *, target: float = 0.05, axis: int = 0) -> Tensor:
     """Sparse-autoencoder penalty: Σ_j KL(ρ‖ρ̂_j) between Bernoulli means.
 
@@ -335,19 +338,19 @@ def kl_sparsity(x: TensorLike, *, target: float = 0.05, axis: int = 0) -> Tensor
     >>> round(float(P.kl_sparsity(x, target=0.5)), 4)  # ½ln(.5/.05) + ½ln(.5/.95)
     0.8304
     """
-    (x,), dtype = num.to_compute(x)
-    num.check_rank("x", x, 1, "a batch axis")
-    axis = num.check_axis("axis", axis, len(x.shape))
+    (x,), dtype = dtypes.to_compute(x)
+    check.check_rank("x", x, 1, "a batch axis")
+    axis = check.check_axis("axis", axis, len(x.shape))
     rho_hat = reductions.mean(x, axis=axis)
     values = target * (math.log(target) - num.safe_log(rho_hat)) + (1.0 - target) * (
         math.log(1.0 - target) - num.safe_log(1.0 - rho_hat)
     )
     # No samples, no statistic: 0 rather than the KL of an empty mean of 0.
     samples = ops.cast(ops.shape(x)[axis], values.dtype)
-    return num.from_compute(ops.where(samples > 0, ops.sum(values), 0.0), dtype)
+    return dtypes.from_compute(ops.where(samples > 0, ops.sum(values), 0.0), dtype)
 
 
-@num.options(axis=num.integer, reduction=num.REDUCTION)
+@check.options(axis=check.integer, reduction=check.REDUCTION)
 def gaussian_kl(
     mean: TensorLike,
     log_var: TensorLike,
@@ -383,19 +386,20 @@ def gaussian_kl(
     """
     names = ("mean", "log_var")
     tensors = [mean, log_var] + [t for t in (mean_ref, log_var_ref) if t is not None]
-    converted, dtype = num.to_compute(*tensors)
+    converted, dtype = dtypes.to_compute(*tensors)
     mu, log_var = converted[:2]
     refs = iter(converted[2:])
     mu_ref = next(refs) if mean_ref is not None else None
     lv_ref = next(refs) if log_var_ref is not None else None
-    num.check_same_shape(names, mu, log_var)
-    num.check_rank("mean", mu, 1, "a latent axis")
-    axis = num.check_axis("axis", axis, len(mu.shape))
+    check.check_same_shape(names, mu, log_var)
+    check.check_rank("mean", mu, 1, "a latent axis")
+    axis = check.check_axis("axis", axis, len(mu.shape))
     for name, ref in (("mean_ref", mu_ref), ("log_var_ref", lv_ref)):
         if ref is not None:
             try:
-                np.broadcast_shapes(tuple(1 if d is None else d for d in ref.shape),
-                                    tuple(1 if d is None else d for d in mu.shape))
+                np.broadcast_shapes(
+                    tuple(1 if d is None else d for d in ref.shape), tuple(1 if d is None else d for d in mu.shape)
+                )
             except ValueError:
                 raise ValueError(
                     f"`{name}` must broadcast against `mean` {tuple(mu.shape)}; got shape {tuple(ref.shape)}."
@@ -406,4 +410,4 @@ def gaussian_kl(
     else:
         terms = ops.exp(log_var - lv_ref) + ops.square(diff) * ops.exp(-lv_ref) - 1.0 - log_var + lv_ref
     values = 0.5 * ops.sum(terms, axis=axis)
-    return num.from_compute(reductions.reduce(values, reduction), dtype)
+    return dtypes.from_compute(reductions.reduce(values, reduction), dtype)

@@ -13,6 +13,7 @@ import functools
 
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
@@ -20,7 +21,7 @@ from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
 
-@num.options(transpose_kernel=num.boolean)
+@check.options(transpose_kernel=check.boolean)
 def linear(
     hidden: TensorLike, kernel: TensorLike, bias: TensorLike | None = None, *, transpose_kernel: bool = False
 ) -> LinearLogits:
@@ -65,9 +66,12 @@ def linear(
     0.287682
     """
     hidden, kernel = ops.convert_to_tensor(hidden), ops.convert_to_tensor(kernel)
-    num.check_rank("hidden", hidden, 1, "a feature axis")
+    check.check_rank("hidden", hidden, 1, "a feature axis")
     if len(kernel.shape) != 2:
-        raise ValueError(f"`kernel` must have rank 2 ([H, V], or [V, H] with transpose_kernel=True); got shape {tuple(kernel.shape)}.")
+        raise ValueError(
+            "`kernel` must have rank 2 ([H, V], or [V, H] with transpose_kernel=True); "
+            f"got shape {tuple(kernel.shape)}."
+        )
     features, axis_name = (kernel.shape[1], "second") if transpose_kernel else (kernel.shape[0], "first")
     if hidden.shape[-1] is not None and features is not None and hidden.shape[-1] != features:
         raise ValueError(
@@ -79,19 +83,21 @@ def linear(
     lazy = LinearLogits(hidden, kernel, None, transpose_kernel)
     if bias is not None:
         bias = ops.convert_to_tensor(bias)
-        if len(bias.shape) != 1 or (bias.shape[0] is not None and lazy.classes is not None and bias.shape[0] != lazy.classes):
+        if len(bias.shape) != 1 or (
+            bias.shape[0] is not None and lazy.classes is not None and bias.shape[0] != lazy.classes
+        ):
             raise ValueError(f"`bias` must have shape ({lazy.classes},), one per class; got {tuple(bias.shape)}.")
         lazy.bias = bias
     return lazy
 
 
-@num.options(
-    from_logits=num.boolean,
-    label_smoothing=num.closed_unit,
-    temperature=num.positive,
-    axis=num.integer,
-    reduction=num.REDUCTION,
-    chunk_size=num.chunk_size,
+@check.options(
+    from_logits=check.boolean,
+    label_smoothing=check.closed_unit,
+    temperature=check.positive,
+    axis=check.integer,
+    reduction=check.REDUCTION,
+    chunk_size=check.chunk_size,
 )
 def cross_entropy(
     labels: TensorLike,

@@ -4,13 +4,15 @@ from typing import Any
 
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Center, MagnitudeReduction, Reduction, Tensor, TensorLike
+from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 
 
-@num.options(reduction=num.MAGNITUDE_REDUCTION)
+@check.options(reduction=check.MAGNITUDE_REDUCTION)
 def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     """L1 penalty: Σ|x|.
 
@@ -33,10 +35,10 @@ def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     >>> float(P.l1([[1.0, -2.0], [3.0, -4.0]], reduction="sum_over_batch_size"))  # 10 / 2 samples
     5.0
     """
-    (x,), dtype = num.to_compute(x)
+    (x,), dtype = dtypes.to_compute(x)
     if reduction == "none":
-        return num.from_compute(ops.abs(x), dtype)
-    return num.from_compute(reductions.scale_sum(backend.sum_abs(x), x, reduction), dtype)
+        return dtypes.from_compute(ops.abs(x), dtype)
+    return dtypes.from_compute(reductions.scale_sum(backend.sum_abs(x), x, reduction), dtype)
 
 
 # Σ|x| is `backend.sum_abs` and Σx² `backend.sum_of_squares`: each a single
@@ -51,10 +53,10 @@ def _center(name: str, value: Any) -> Center:
         return value
     if isinstance(value, str):
         raise ValueError(f"`{name}` must be None, a number or 'mean'; got {value!r}.")
-    return num.number(name, value)
+    return check.number(name, value)
 
 
-@num.options(reduction=num.MAGNITUDE_REDUCTION, center=_center, clip=num.optional(num.positive))
+@check.options(reduction=check.MAGNITUDE_REDUCTION, center=_center, clip=check.optional(check.positive))
 def l2(
     x: TensorLike, *, reduction: MagnitudeReduction = "sum", center: Center = None, clip: float | None = None
 ) -> Tensor:
@@ -79,7 +81,7 @@ def l2(
     >>> float(P.l2([0.5, 3.0], clip=1.0))  # 0.5² + 1²
     1.25
     """
-    (x,), dtype = num.to_compute(x)
+    (x,), dtype = dtypes.to_compute(x)
     if center == "mean":
         x = x - reductions.mean(x)
     elif center is not None and center != 0.0:
@@ -87,11 +89,11 @@ def l2(
     if clip is not None:
         x = ops.clip(x, -clip, clip)
     if reduction == "none":
-        return num.from_compute(ops.square(x), dtype)
-    return num.from_compute(reductions.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
+        return dtypes.from_compute(ops.square(x), dtype)
+    return dtypes.from_compute(reductions.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
 
 
-@num.options(l1_ratio=num.closed_unit, reduction=num.MAGNITUDE_REDUCTION)
+@check.options(l1_ratio=check.closed_unit, reduction=check.MAGNITUDE_REDUCTION)
 def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeReduction = "sum") -> Tensor:
     """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
 
@@ -107,14 +109,14 @@ def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeRed
     >>> float(P.elastic_net([1.0, -2.0], l1_ratio=0.25))  # .25·3 + .75·5
     4.5
     """
-    (x,), dtype = num.to_compute(x)
+    (x,), dtype = dtypes.to_compute(x)
     if reduction == "none":
-        return num.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
+        return dtypes.from_compute(l1_ratio * ops.abs(x) + (1.0 - l1_ratio) * ops.square(x), dtype)
     total = l1_ratio * backend.sum_abs(x) + (1.0 - l1_ratio) * backend.sum_of_squares(x)
-    return num.from_compute(reductions.scale_sum(total, x, reduction), dtype)
+    return dtypes.from_compute(reductions.scale_sum(total, x, reduction), dtype)
 
 
-@num.options(target=num.non_negative, reduction=num.REDUCTION)
+@check.options(target=check.non_negative, reduction=check.REDUCTION)
 def output_magnitude(x: TensorLike, *, target: float = 1.0, reduction: Reduction = "mean") -> Tensor:
     """Output magnitude penalty: (‖x_i‖₂ − target)² per sample.
 
@@ -134,7 +136,7 @@ def output_magnitude(x: TensorLike, *, target: float = 1.0, reduction: Reduction
     >>> float(P.output_magnitude([[3.0, 4.0], [0.0, 0.0]]))  # ((5-1)² + 1) / 2
     8.5
     """
-    (x,), dtype = num.to_compute(x)
+    (x,), dtype = dtypes.to_compute(x)
     if len(x.shape) == 0:
         raise ValueError("`x` must have a batch axis (rank >= 1); got a scalar.")
     if len(x.shape) == 1:
@@ -142,4 +144,4 @@ def output_magnitude(x: TensorLike, *, target: float = 1.0, reduction: Reduction
     else:
         norms = num.safe_norm(x, axis=tuple(range(1, len(x.shape))))
     values = ops.square(norms - target)
-    return num.from_compute(reductions.reduce(values, reduction), dtype)
+    return dtypes.from_compute(reductions.reduce(values, reduction), dtype)

@@ -1,15 +1,19 @@
 """Orthogonality penalty for weight matrices."""
 
+from typing import get_args
+
 from keras import ops
 
+from keras_penalties import _validation as check
 from keras_penalties._types import OrthogonalityAxis, OrthogonalityMode, Tensor, TensorLike
+from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 
-MODES = ("soft", "hard", "spectral")
-AXES = ("columns", "rows")
+MODES = get_args(OrthogonalityMode)
+AXES = get_args(OrthogonalityAxis)
 
 
-@num.options(mode=num.choice(*MODES), axis=num.choice(*AXES), normalize=num.boolean)
+@check.options(mode=check.choice(*MODES), axis=check.choice(*AXES), normalize=check.boolean)
 def orthogonality(
     w: TensorLike, *, mode: OrthogonalityMode = "soft", axis: OrthogonalityAxis = "columns", normalize: bool = True
 ) -> Tensor:
@@ -41,18 +45,14 @@ def orthogonality(
     >>> float(P.orthogonality([[1.0, 0.0], [0.0, 1.0]], mode="spectral"))
     0.0
     """
-    (w,), dtype = num.to_compute(w)
+    (w,), dtype = dtypes.to_compute(w)
     if len(w.shape) < 2:
-        raise ValueError(
-            f"`w` must have rank >= 2 (a matrix or a kernel); got shape {tuple(w.shape)}."
-        )
+        raise ValueError(f"`w` must have rank >= 2 (a matrix or a kernel); got shape {tuple(w.shape)}.")
     rows: int | None = 1
     for d in w.shape[:-1]:
         rows = None if rows is None or d is None else rows * d
     if w.shape[-1] == 0 or rows == 0:
-        raise ValueError(
-            f"`w` reshaped to [-1, last] has no vectors or empty ones; got shape {tuple(w.shape)}."
-        )
+        raise ValueError(f"`w` reshaped to [-1, last] has no vectors or empty ones; got shape {tuple(w.shape)}.")
     v = ops.reshape(w, (-1, w.shape[-1]))
     if axis == "rows":
         v = ops.transpose(v)
@@ -67,4 +67,4 @@ def orthogonality(
         value = ops.sum(ops.square(gram - eye))
     else:
         value = ops.max(ops.svd(gram - eye, compute_uv=False))
-    return num.from_compute(value, dtype)
+    return dtypes.from_compute(value, dtype)

@@ -29,7 +29,10 @@ def build_model():
     hidden = kp.CompositeObjective(terms, weighting="uncertainty", name="act")(hidden)
     model = keras.Model(inputs, keras.layers.Dense(4, name="logits")(hidden))
     loss = L.CompositeLoss(
-        {"ce": keras.losses.CategoricalCrossentropy(from_logits=True), "ent": L.Entropy(from_logits=True, mode="bonus")},
+        {
+            "ce": keras.losses.CategoricalCrossentropy(from_logits=True),
+            "ent": L.Entropy(from_logits=True, mode="bonus"),
+        },
         weights={"ce": 1.0, "ent": 0.1},
         weighting="famo",
         name="closs",

@@ -1,0 +1,164 @@
+"""Argument checks for the whole package. Each check is `(name, value) -> value`:
+it validates (and normalises) a Python option before any tensor work, so a
+wrong option fails with a message naming it, not deep inside a trace. Ops
+functions declare theirs with `@options(...)`; the Keras classes reuse them
+through `fn.check_options(...)`."""
+
+import functools
+import inspect
+import math
+from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast, get_args
+
+import numpy as np
+
+from keras_penalties._types import MagnitudeReduction, Reduction
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_R_co = TypeVar("_R_co", covariant=True)
+
+
+class OptionsChecked(Protocol[_P, _R_co]):
+    """What `options` makes of a function: the function, with its own
+    signature for type checkers and IDEs, plus `check_options`."""
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+    def check_options(self, **options: Any) -> dict[str, Any]: ...
+
+
+def options(**checks: Callable[[str, Any], Any]) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
+    """Decorator: validates (and normalises) keyword options before the call.
+
+    `checks` maps an option name to a function `(name, value) -> value` that
+    raises `ValueError`/`TypeError` naming the option. The decorated function
+    gets `check_options(**options) -> dict`, which validates options without
+    calling it and rejects names the function does not take.
+    """
+
+    def decorate(fn: Callable[_P, _R]) -> OptionsChecked[_P, _R]:
+        accepted = [
+            p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+        ]
+
+        def check_options(**opts: Any) -> dict[str, Any]:
+            unknown = sorted(set(opts) - set(accepted))
+            if unknown:
+                raise TypeError(f"{fn.__name__}() got unknown option(s) {unknown}; it takes {accepted}.")
+            return {k: checks[k](k, v) if k in checks else v for k, v in opts.items()}
+
+        call: Callable[..., _R] = fn  # called with the checked options
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **opts: Any) -> _R:
+            return call(*args, **check_options(**opts))
+
+        wrapper.check_options = check_options  # type: ignore[attr-defined]
+        return cast("OptionsChecked[_P, _R]", wrapper)
+
+    return decorate
+
+
+def choice(*allowed):
+    def check(name, value):
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"`{name}` must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}.")
+        return value
+
+    return check
+
+
+def number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"`{name}` must be a number; got {value!r}.")
+    try:
+        value = float(value)
+    except OverflowError:
+        # An int beyond float range (10**400): too large to be a float.
+        raise ValueError(f"`{name}` must be finite; got an int too large for a float.") from None
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be finite; got {value!r}.")
+    return value
+
+
+def _number_where(holds, what):
+    """A check of a real number for which `holds(value)`, said as `what`."""
+
+    def check(name, value):
+        value = number(name, value)
+        if not holds(value):
+            raise ValueError(f"`{name}` must be {what}; got {value!r}.")
+        return value
+
+    return check
+
+
+positive = _number_where(lambda v: v > 0, "> 0")
+non_negative = _number_where(lambda v: v >= 0, ">= 0")
+closed_unit = _number_where(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+open_unit = _number_where(lambda v: 0.0 < v < 1.0, "in the open interval (0, 1)")
+
+
+def boolean(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool; got {value!r}.")
+    return bool(value)
+
+
+def integer(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int; got {value!r}.")
+    return int(value)
+
+
+def positive_integer(name, value):
+    value = integer(name, value)
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return value
+
+
+def chunk_size(name, value):
+    """None, "auto", or an int >= 1 (rows per chunk)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"`{name}` must be None, 'auto' or an int >= 1; got {value!r}.")
+    return positive_integer(name, value)
+
+
+def optional(check):
+    def check_optional(name, value):
+        return None if value is None else check(name, value)
+
+    return check_optional
+
+
+REDUCTIONS = get_args(Reduction)
+# The magnitude penalties (l1, l2, elastic_net) also take Keras' activity-
+# regularizer scale: the sum over all elements divided by the batch size.
+MAGNITUDE_REDUCTIONS = get_args(MagnitudeReduction)
+REDUCTION = choice(*REDUCTIONS)
+MAGNITUDE_REDUCTION = choice(*MAGNITUDE_REDUCTIONS)
+
+
+def check_axis(name, axis, ndim):
+    """Returns `axis` as a non-negative int for a tensor of rank `ndim`."""
+    axis = integer(name, axis)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"`{name}`={axis} is out of range for an input of rank {ndim}.")
+    return int(axis) % ndim
+
+
+def check_same_shape(names, a, b):
+    """Raises if two tensors' static shapes differ where both are known."""
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    compatible = len(sa) == len(sb) and all(x is None or y is None or x == y for x, y in zip(sa, sb))
+    if not compatible:
+        raise ValueError(f"`{names[0]}` and `{names[1]}` must have the same shape; got {sa} and {sb}.")
+
+
+def check_rank(name, x, minimum, what):
+    """Raises unless `x` has rank >= `minimum`; `what` says why it is needed."""
+    if len(x.shape) < minimum:
+        raise ValueError(f"`{name}` must have rank >= {minimum} ({what}); got shape {tuple(x.shape)}.")
