@@ -238,7 +238,9 @@ def test_the_kernel_gradient_in_several_blocks(elements, graph, monkeypatch):
     # inside the chunk loop; eagerly they are not.
     import tensorflow as tf
 
-    monkeypatch.setattr(backend._module, "_KERNEL_BLOCK_ELEMENTS", elements)
+    from keras_penalties.backend import _tensorflow_blocks
+
+    monkeypatch.setattr(_tensorflow_blocks, "_KERNEL_BLOCK_ELEMENTS", elements)
 
     def fused_grads(*x):
         return backend.gradients(lambda *y: _loss("js_beta_t", True, 4, MASK, *y), list(x))
@@ -268,10 +270,12 @@ def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, m
     # too; a frozen teacher's head gives the blocks one gradient fewer.
     import tensorflow as tf
 
+    from keras_penalties.backend import _tensorflow_blocks
+
     monkeypatch.setattr(backend._module, "CHUNK_ELEMENTS", elements)
     blocks = []
-    block_rows = backend._module._block_rows
-    monkeypatch.setattr(backend._module, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
+    block_rows = _tensorflow_blocks._block_rows
+    monkeypatch.setattr(_tensorflow_blocks, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
 
     def loss(fused, chunk_size, student_hidden, kernel, bias, teacher_hidden, embedding):
         if teacher == "frozen":
@@ -296,8 +300,13 @@ def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, m
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's blocks of a chunk's rows (see above); the others have none")
 def test_blocks_of_a_chunk_stay_near_the_budget():
-    block_rows = backend._module._block_rows
+    from keras_penalties.backend import _tensorflow_blocks
+
     budget = backend._module.CHUNK_ELEMENTS  # 2**20: 8 rows of 128256, 32 of 32000
+
+    def block_rows(rows, classes):
+        return _tensorflow_blocks._block_rows(rows, classes, budget)
+
     assert block_rows(128, 128256) == 8 and block_rows(130, 128256) == 5  # 5 divides 130; 4..8 allowed
     assert block_rows(509, 32000) == 509  # no divisor in 16..32: the chunk whole, not 509 blocks of 1
     assert block_rows(16, 32000) == 16 and block_rows(64, None) == 64  # within the budget; classes unknown

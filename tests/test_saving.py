@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import zipfile
 
 import keras
 import numpy as np
@@ -182,6 +183,10 @@ def test_composite_loss_terms_are_reported_after_a_reload(tmp_path):
 # ---------------------------------------------------------------- files saved by a release
 
 
+def _version(text):
+    return tuple(int(part) for part in text.split(".")[:3])
+
+
 def _release_model_module():
     spec = importlib.util.spec_from_file_location("save_release_model", DATA / "save_release_model.py")
     module = importlib.util.module_from_spec(spec)
@@ -197,8 +202,13 @@ def test_files_saved_by_0_1_0_load(saved_on):
     # built by today's code computes with the file's weights.
     import keras_penalties as kp
 
+    path = DATA / f"release_0.1.0_{saved_on}.keras"
+    with zipfile.ZipFile(path) as archive:
+        saved_by = json.loads(archive.read("metadata.json"))["keras_version"]
+    if _version(keras.__version__) < _version(saved_by):
+        pytest.skip(f"saved by Keras {saved_by}, whose configs Keras {keras.__version__} cannot read (Keras' own)")
     release = _release_model_module()
-    loaded = keras.saving.load_model(DATA / f"release_0.1.0_{saved_on}.keras")
+    loaded = keras.saving.load_model(path)
     fresh = release.build_model()
     for layer in fresh.layers:
         layer.set_weights(loaded.get_layer(layer.name).get_weights())
