@@ -138,12 +138,48 @@ class _Penalty:
 def _weighed_like_a_loss(name, loss, y_true, y_pred, sample_weight):
     """A Keras Loss's value with `sample_weight` and the Keras mask `y_pred`
     carries (read before any cast: a float32 copy of a half `y_pred` has
-    none), as one device would compute it on this replica's batch."""
+    none), as one device would compute it on this replica's batch; under
+    several replicas, what makes the replicas' mean the global batch's value
+    (`_global_share`)."""
     value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
     if getattr(loss, "reduction", None) in _MEAN_REDUCTIONS:
         # Keras' Loss divided its mean by the replicas in scope; undo it.
         value = value * float(backend.loss_replicas())
+        if backend.replicas_in_sync() > 1:
+            value = _global_share(value, loss.reduction, sample_weight, _keras_internals.keras_mask(y_pred))
     return value
+
+
+def _global_share(value, reduction, sample_weight, mask):
+    """A replica's mean `value` rescaled so that the replicas' values average
+    to the global batch's mean where Keras' divisor depends on the data
+    (each replica divides by its own): the positions the Keras mask keeps
+    ("sum_over_batch_size", "mean"), the sample weights merged with the
+    mask ("mean_with_sample_weight"). value·d / (Σ_replicas d / replicas)."""
+    if reduction == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
+        weights = _merged_weights(sample_weight, mask)
+    elif mask is not None and reduction != "mean_with_sample_weight":
+        weights = ops.cast(mask, "float32")
+    else:
+        return value  # the number of values: the same on every replica
+    divisor = ops.sum(weights)
+    return ops.divide_no_nan(value * divisor, reductions.kept_divisor(divisor, floor=0.0))
+
+
+def _merged_weights(sample_weight, mask):
+    """`sample_weight` times the mask, the lower rank expanded (or a
+    trailing 1 squeezed) as Keras' Loss does."""
+    if mask is None:
+        return ops.cast(sample_weight, "float32")
+    mask = ops.cast(mask, "float32")
+    if sample_weight is None:
+        return mask
+    weights = ops.cast(sample_weight, "float32")
+    if len(weights.shape) == len(mask.shape) + 1 and weights.shape[-1] == 1:
+        weights = ops.squeeze(weights, -1)
+    while len(weights.shape) < len(mask.shape):
+        weights = ops.expand_dims(weights, -1)
+    return weights * mask
 
 
 class _OpPenalty(_Penalty):

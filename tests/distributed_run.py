@@ -260,6 +260,53 @@ def train_token_objective():
     return results
 
 
+# Tokens where LM_WEIGHTS drops them are 0, which Embedding(mask_zero=True)
+# masks: the Keras mask on the predictions keeps fewer positions on one
+# replica than on the other. The sample weights (per token) differ between the
+# halves too.
+MASKED_TOKENS = np.where(LM_WEIGHTS > 0, np.maximum(LM_TOKENS, 1), 0)
+SAMPLE_WEIGHTS = np.repeat(np.tile(np.repeat([0.25, 1.0], 4), 4)[:, None], TOKENS, axis=1).astype("float32")
+
+
+def train_token_loss():
+    """A CompositeLoss whose terms reduce with Keras' mask and sample
+    weights: a Keras loss over the kept positions ("sum_over_batch_size"),
+    one divided by the kept sample weights ("mean_with_sample_weight"), the
+    package's Entropy, and an ops term with per-position values. Each is the
+    global batch's mean, not the replicas' means' mean."""
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((TOKENS,), dtype="int32")
+    hidden = keras.layers.Embedding(
+        VOCAB, 6, mask_zero=True, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="m_emb"
+    )(tokens)
+    logits = keras.layers.Dense(VOCAB, name="m_head")(keras.layers.Dense(6, activation="tanh", name="m_body")(hidden))
+    model = keras.Model(tokens, logits)
+    loss = L.CompositeLoss(
+        {
+            "ce": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "ce_sw": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+            "ent": L.Entropy(from_logits=True),
+            "ent_op": Term("entropy", options={"from_logits": True}),
+        },
+        weights={"ce": 1.0, "ce_sw": 0.5, "ent": 0.1, "ent_op": 0.05},
+        name="mloss",
+    )
+    model.compile(keras.optimizers.SGD(0.1), loss=loss)
+    history = model.fit(
+        MASKED_TOKENS,
+        LM_LABELS,
+        sample_weight=SAMPLE_WEIGHTS,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[PenaltyMonitor()],
+    )
+    results = {f"masked/history/{k}": v for k, v in history.history.items()}
+    results["masked/kernel"] = keras.ops.convert_to_numpy(model.get_layer("m_head").kernel).tolist()
+    return results
+
+
 def distributed(mode):
     if BACKEND == "jax":
         devices = keras.distribution.list_devices("cpu")
@@ -298,9 +345,10 @@ def _same_kind(key, probe, layer, kind):
 def main(mode):
     if BACKEND == "tensorflow":
         split_tensorflow_cpu()
-    one = {**train(), **train_distiller(), **train_famo(), **train_token_objective()}
+    runs = (train, train_distiller, train_famo, train_token_objective, train_token_loss)
+    one = {k: v for run in runs for k, v in run().items()}
     with distributed(mode):
-        two = {**train(), **train_distiller(), **train_famo(), **train_token_objective()}
+        two = {k: v for run in runs for k, v in run().items()}
     report = {}
     for key, value in one.items():
         a, b = np.asarray(value, np.float64), np.asarray(two.get(key, np.nan), np.float64)

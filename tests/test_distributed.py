@@ -14,7 +14,9 @@ uncertainty-weighted objective with a chunked entropy term, a per-term custom me
 on the loss, GradNorm on the objective), a fused Distiller whose token
 masks keep more tokens on one replica than on the other, and an objective
 whose token means (whole, chunked, and a fused cross-entropy from hidden
-states, masked and not) see such masks too, after a layer's activity loss.
+states, masked and not) see such masks too, after a layer's activity loss,
+and a CompositeLoss whose terms Keras reduces with such a mask and with
+per-sample weights that differ between the replicas.
 """
 
 import json
@@ -87,6 +89,12 @@ def test_two_devices_match_one(mode):
         "tokens/history/loss",
         "famo/objective/famo_logits",
         "famo/history/fobj/l1_sum/weight",
+        "masked/history/loss",
+        "masked/history/mloss/ce",
+        "masked/history/mloss/ce_sw",
+        "masked/history/mloss/ent",
+        "masked/history/mloss/ent_op",
+        "masked/kernel",
     ):
         assert key in keys, key
     bad = {k: v for k, v in report.items() if not v["rel"] <= 1e-5}

@@ -20,7 +20,7 @@ def global_token_means(layer=None):
     """Within the block, a masked `"mean"` (see `kept_divisor`) is the mean
     over the positions kept in the whole global batch where each replica of
     a `tf.distribute` strategy holds a part of it, not the mean of the
-    replicas' means: the composites' rule (SPEC §11). `layer`: the model
+    replicas' means: the composites' rule. `layer`: the model
     whose forward pass the block runs in, whose add_loss lists the
     cross-replica sum must leave as they were (`backend.sum_over_replicas`).
     A raw op outside the block keeps Keras' rule."""
@@ -31,12 +31,12 @@ def global_token_means(layer=None):
         _GLOBAL.reset(token)
 
 
-def kept_divisor(count):
+def kept_divisor(count, floor=1.0):
     """What a masked mean's sum is divided by: `count`, the positions kept,
     at least 1. Within `global_token_means` under several replicas, the
-    count summed over the replicas (at least 1) over their number, so that
-    Keras' division of each replica's loss by the replicas, and the sum of
-    their gradients, give the global mean (and so do their values'
+    count summed over the replicas (at least `floor`) over their number, so
+    that Keras' division of each replica's loss by the replicas, and the sum
+    of their gradients, give the global mean (and so do their values'
     mean)."""
     scope = _GLOBAL.get()
     replicas = backend.replicas_in_sync()
@@ -44,7 +44,7 @@ def kept_divisor(count):
         return at_least_one(count)
     # float32: a count of rows is an int (a shape), which TF divides by no float.
     (total,) = backend.sum_over_replicas([ops.cast(count, "float32")], keep_losses_of=scope[0])
-    return ops.maximum(total, 1.0) / float(replicas)
+    return ops.maximum(total, floor) / float(replicas)
 
 
 def count(x, axis=None):
