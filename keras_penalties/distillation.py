@@ -1,4 +1,4 @@
-"""Distillation the Keras way, without Keras' traps (SPEC §10).
+"""Distillation the Keras way, without Keras' traps.
 
 `keras.distillation` (Keras >= 3.12), as of Keras 3.15.1:
 - `LogitsDistillation()`'s default `loss="kl_divergence"` applies the

@@ -39,7 +39,7 @@ _Regularizer = TypeVar("_Regularizer", bound="_PenaltyRegularizer")
 
 def _factor(value: Any) -> float:
     """`factor` checked as Keras' own regularizers check theirs: anything but
-    a finite number >= 0 is a `ValueError` (SPEC §2), a string, None or a
+    a finite number >= 0 is a `ValueError`, a string, None or a
     list included (`keras.regularizers.L1("a")` raises `ValueError` too)."""
     try:
         return check.non_negative("factor", value)
