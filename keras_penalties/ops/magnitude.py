@@ -44,8 +44,8 @@ def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
 # Σ|x| is `backend.sum_abs` and Σx² `backend.sum_of_squares`: each a single
 # reduction over x (on eager torch abs-then-sum or square-then-sum of a
 # large x writes and reads a second copy of it, and torch's own norms lose
-# precision with the size), and on TF x·x would be a matrix-vector product
-# that made the bench's fit step 20 % slower (bench/results/README.md).
+# precision with the size), and on TF x·x would be a matrix-vector product,
+# slower in the bench's fit step (bench/results/README.md).
 
 
 def _center(name: str, value: Any) -> Center:
