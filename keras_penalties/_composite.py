@@ -2,6 +2,8 @@
 schedules, learned weights) with `set_weight`/`enable`/`disable`, and the
 weighted total of the terms' values."""
 
+from typing import Any
+
 import keras
 import numpy as np
 from keras import ops
@@ -102,13 +104,15 @@ class Composite:
     weighted total) and the keys they report.
 
     A subclass calls `_set_terms` first, then makes its `WeightState` as
-    `_weight_state` and, where weights may be schedules, its `step`."""
+    `_weight_state`, its `_term_means.RunningSums` as `_running` and, where
+    weights may be schedules, its `step`."""
 
     step = None  # a CompositeObjective's training-step count
     # What the subclass provides, declared for type checkers (the Keras base
     # classes they also derive from have no types).
     name: str
     _weight_state: WeightState
+    _running: Any  # the composite's _term_means.RunningSums
 
     def _composite_config(self):
         """The config entries both composites share."""
@@ -185,6 +189,25 @@ class Composite:
         still computed and reported."""
         self._assign_entry(self._weight_state.term_enabled, self._index(name), 0.0)
         self.terms[name].enabled = False
+
+    def running_means(self) -> Tensor:
+        """Each reported key's mean since the running values were last reset,
+        a float32 tensor in `reported_keys` order, computed where it is
+        called (inside a compiled step too): the training calls' means if
+        there were any, else the others' (evaluate); 0 before any call."""
+        return self._running.means()
+
+    def running_values(self, training: bool = True) -> dict[str, float]:
+        """Mean unweighted value of each term (and of each custom metric, as
+        `"<term>/<metric>"`) over the training calls (`training=True`) or
+        the others since the last reset, as floats; empty before the first
+        call."""
+        return self._running.values(self.reported_keys, training)
+
+    def reset_running_values(self, training: bool | None = True) -> None:
+        """Zeroes the running values of training calls (`training=True`),
+        of the others (False), or of both (None)."""
+        self._running.reset(training)
 
     def _learned_log_variances(self):
         """The sᵢ as the total reads them: their gradient scaled by

@@ -23,9 +23,9 @@ from keras import ops
 from keras_penalties import _capture, _keras_internals, backend
 from keras_penalties import ops as penalties
 from keras_penalties._adapters import as_float32, loss_result, ops_reduction
-from keras_penalties._composite import Composite, WeightState, whole_batch_values
+from keras_penalties._composite import Composite, whole_batch_values
 from keras_penalties._saving import with_hint, without_hint
-from keras_penalties._term_means import TermMeans
+from keras_penalties._loss_state import LossState
 from keras_penalties._types import (
     ChunkSize,
     Direction,
@@ -272,23 +272,6 @@ class Consistency(_PenaltyLoss):
 # ---------------------------------------------------------------- CompositeLoss
 
 
-class LossState(keras.layers.Layer):
-    """The variables of a `CompositeLoss`: its term weights and enabled flags
-    (float32, never autocast) and, with `weighting="uncertainty"`, the
-    trainable log-variances, or with `weighting="famo"` FAMO's state. Keras gives a loss no model, so the loss adds this
-    layer to the model that compiles it (see `CompositeLoss.attach`); its
-    variables then travel in the model's training state like a layer's, and
-    `.keras` files save them with the loss."""
-
-    def __init__(self, terms: dict[str, Term], weighting: Weighting, name: str) -> None:
-        super().__init__(name=name, trainable=True, autocast=False)
-        self.weight_state = WeightState(self, terms, weighting)
-        self.built = True
-
-    def call(self, inputs: Any) -> Any:
-        return inputs
-
-
 def _computes(loss: keras.losses.Loss) -> Any:
     # Keras calls a compiled loss from its model's compute_loss only.
     return lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
@@ -383,11 +366,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
                     f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
                     "`inputs` applies to CompositeObjective."
                 )
-        self.state = LossState(self.terms, self.weighting, name=f"{self.name}_state")
-        self._weight_state = self.state.weight_state
-        self.tracker = TermMeans(self.name, self.reported_keys)
-        # Set by PenaltyMonitor once the tracker is one of the model's metrics.
-        self.tracker_registered = False
+        self.state = LossState(self.terms, self.weighting, f"{self.name}_state", len(self.reported_keys))
+        self._weight_state, self._running = self.state.weight_state, self.state.running_sums
         self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
         model = _keras_internals.calling_model(_loading)
         if model is not None:
@@ -454,15 +434,14 @@ class CompositeLoss(Composite, keras.losses.Loss):
             )
         values = whole_batch_values(values, self._sums_over_samples)
         _capture.record(self, values)
-        if self.tracker_registered:
-            # The tracker's sums add up over replicas and steps; its count
-            # too, so it reports the mean of the replicas' values.
-            tracked = values
-            if self.metric_keys:
-                y_true, y_pred = as_float32(y_true), as_float32(y_pred)
-                metrics = [v for term in self.terms.values() for v in term.loss_metric_values(y_true, y_pred)]
-                tracked = ops.concatenate([values, ops.stack(metrics)])
-            self.tracker.update_state(tracked)
+        reported = values
+        if self.metric_keys:
+            y_true, y_pred = as_float32(y_true), as_float32(y_pred)
+            metrics = [v for term in self.terms.values() for v in term.loss_metric_values(y_true, y_pred)]
+            reported = ops.concatenate([values, ops.stack(metrics)])
+        # Keras tells a loss nothing of training: its values count as a
+        # training call's (fit resets them before evaluate reads them).
+        self._running.add(reported, training=True, keep=not _capture.active(self))
         total = self._total(values, update=self.weighting == "famo" and training)
         divisor = backend.loss_replicas()
         if divisor > 1:

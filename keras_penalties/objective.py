@@ -35,9 +35,8 @@ from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties._adapters import as_float32
 from keras_penalties._composite import Composite, WeightState, state_variable, whole_batch_values
+from keras_penalties._term_means import RunningSums
 from keras_penalties.terms import Term, deserialize_terms
-
-_TRAIN, _EVAL = 0, 1
 
 
 @keras.saving.register_keras_serializable(package="keras_penalties")
@@ -109,22 +108,17 @@ class CompositeObjective(Composite, keras.layers.Layer):
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-        # The running sums and counts as the last forward pass left them,
-        # where the step's metrics are read in a scope of their own (JAX);
-        # in a plain holder, which Keras' attribute tracking skips.
-        self._kept = types.SimpleNamespace(running=None, model=lambda: None)
+        # The model training the objective, found at its first training call
+        # (`_training_model`), weakly; in a plain holder, which Keras'
+        # attribute tracking skips.
+        self._kept = types.SimpleNamespace(model=lambda: None)
         with keras.name_scope(self.name, caller=self):
             self._weight_state = WeightState(self, self.terms, self.weighting, overridable=True)
             # Training steps taken: every replica advances it alike.
             self.step = state_variable("step", 0, dtype="int32", local=True)
             # Running sums of each term's unweighted value (then of its
-            # custom metrics), and call counts; row 0 for training calls,
-            # row 1 for the others (evaluate, predict). Under a strategy
-            # they read as the replicas' mean.
-            self.value_sums = state_variable(
-                "value_sums", np.zeros((2, len(self.reported_keys))), aggregation="mean", local=True
-            )
-            self.value_counts = state_variable("value_counts", np.zeros(2), aggregation="mean", local=True)
+            # custom metrics), and call counts.
+            self._running = RunningSums(self, len(self.reported_keys))
 
     # ------------------------------------------------------------ computation
 
@@ -187,22 +181,21 @@ class CompositeObjective(Composite, keras.layers.Layer):
             metric_values = self._metric_values(floats) if self.metric_keys else []
         _capture.record(self, values)
         values = whole_batch_values(values, self._sums_over_samples)
+        # In a jax.jit of the user's own (no stateless scope) the state
+        # variables cannot take the trace's values: the call changes none.
+        training = bool(training) and not backend.traced_outside_scope(values)
         state = self._pass(training)
         if training and self.log_variances is not None:
             self._no_weight_decay_on_log_variances(self._training_model())
         # FAMO's state advances once per training step (at a shared
         # objective's first call of the step).
-        update = bool(training) and not state["losses"]
+        update = training and not state["losses"]
         self._add_loss_of_pass(state, self._total(values, state["weights"], update=update))
         if metric_values:
             values = ops.concatenate([values, ops.stack(metric_values)])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
-        row = _TRAIN if training else _EVAL
-        backend.add_to_row(self.value_sums, row, values)
-        backend.add_to_row(self.value_counts, row, 1.0)
-        if not _capture.active(self):  # a probe's pass changes nothing
-            self._kept.running = backend.keep_for_metrics((self.value_sums, self.value_counts))
+        self._running.add(values, training, keep=not _capture.active(self))  # a probe's pass keeps nothing
         return inputs
 
     def _training_model(self):
@@ -266,39 +259,6 @@ class CompositeObjective(Composite, keras.layers.Layer):
         return functions
 
     # ------------------------------------------------------------ reporting
-
-    def running_means(self) -> Tensor:
-        """Each reported key's mean since the running values were last reset,
-        a float32 tensor in `reported_keys` order, computed where it is
-        called (inside a compiled step too): the training calls' means if
-        there were any, else the others' (evaluate); 0 before any call.
-        In JAX's metric scope, the values the step's forward pass kept, read
-        once (a second read in that scope gives 0)."""
-        state = backend.kept_for_metrics(self._kept.running, (self.value_sums, self.value_counts))
-        # Read: a traced step's tracers are not kept past it.
-        self._kept.running = None
-        sums, counts = state if state is not None else (self.value_sums.value, self.value_counts.value)
-        row = ops.where(counts[_TRAIN] > 0, _TRAIN, _EVAL)
-        return sums[row] / ops.maximum(counts[row], 1.0)
-
-    def running_values(self, training: bool = True) -> dict[str, float]:
-        """Mean unweighted value of each term (and of each custom metric, as
-        `"<term>/<metric>"`) over the training calls (`training=True`) or
-        the others since the last reset, as floats; empty before the first
-        call."""
-        row = _TRAIN if training else _EVAL
-        count = float(ops.convert_to_numpy(self.value_counts)[row])
-        if count == 0:
-            return {}
-        sums = ops.convert_to_numpy(self.value_sums)[row]
-        return {name: float(sums[i] / count) for i, name in enumerate(self.reported_keys)}
-
-    def reset_running_values(self, training: bool | None = True) -> None:
-        """Zeroes the running values of training calls (`training=True`),
-        of the others (False), or of both (None)."""
-        rows = [_TRAIN, _EVAL] if training is None else _TRAIN if training else _EVAL
-        self._assign_entry(self.value_sums, rows, 0.0)
-        self._assign_entry(self.value_counts, rows, 0.0)
 
     def report(
         self, inputs: Any, *, base_loss: TensorLike | Callable[[Any], Tensor] | None = None, grad_norms: bool = False

@@ -15,7 +15,7 @@ from keras_penalties import backend
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 from tests import oracles as O
-from tests.testing import central_difference, grad, save_and_load, to_numpy
+from tests.testing import BACKEND, central_difference, grad, save_and_load, to_numpy
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(4, 5)).astype(np.float32)
@@ -602,3 +602,17 @@ def test_gradient_norms_over_dict_inputs():
     expected = np.sqrt(np.sum(d_student**2) + np.sum(d_teacher**2))
     np.testing.assert_allclose(norms["kd"], expected, rtol=1e-4)
     np.testing.assert_allclose(norms["total"], 0.5 * expected, rtol=1e-4)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="only JAX traces a user's own jit without Keras' stateless scope")
+def test_a_composite_in_a_users_jit_leaves_its_running_sums():
+    # A trace of the user's own: the running sums cannot hold its values, so
+    # they are left alone (and stay usable eagerly after it).
+    import jax
+
+    objective = CompositeObjective({"l1": "l1"}, name="jitted")
+    x = np.array([[1.0, -2.0]], "float32")
+    objective(x, training=True)
+    jax.jit(lambda t: objective(t, training=True))(x)
+    objective(2 * x, training=True)
+    np.testing.assert_allclose(objective.running_values()["l1"], (3.0 + 6.0) / 2, rtol=1e-6)

@@ -177,7 +177,7 @@ def test_composite_loss_under_mixed_precision(policy):
     np.testing.assert_allclose(history["composite_loss/ent"][0], ent, rtol=1e-6)
     np.testing.assert_allclose(history["composite_loss/mse"][0], 0.0, atol=1e-7)
     np.testing.assert_allclose(history["loss"][0], 1e5 * ent, rtol=1e-6)
-    assert all(v.dtype == "float32" for v in loss.tracker.variables)
+    assert all(v.dtype == "float32" for v in loss.state.running_sums.variables)
 
 
 # ---------------------------------------------------------------- shared layers

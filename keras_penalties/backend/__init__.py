@@ -29,6 +29,9 @@ names, and importing fails if one is defined by neither):
   Python float (the floor of the package's logs).
 - `is_half(dtype)`: whether a dtype is float16 or bfloat16 (the package
   computes those in float32).
+- `traced_outside_scope(x)`: whether `x` is a value of a trace that no
+  variable may hold (a user's `jax.jit` with no stateless scope): the
+  composites then leave their running sums alone. False on TF and torch.
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, one chunk at a time, each row's gradient formed
   with its value so that the backward pass recomputes nothing (a
@@ -114,6 +117,7 @@ _NAMES = (
     "label_cross_entropy",
     "smallest_normal",
     "is_half",
+    "traced_outside_scope",
     "map_chunks",
     "chunked_sum",
     "SHARES_SOFTMAX",

@@ -148,6 +148,12 @@ def is_half(dtype):
     return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
 
 
+def traced_outside_scope(x):
+    """Whether `x` belongs to a trace whose values no variable may hold
+    (JAX only); False elsewhere."""
+    return False
+
+
 def keep_for_metrics(variables):
     """What `kept_for_metrics` needs to find the values of `variables` as a
     forward pass left them, when the same step reads its metrics; None

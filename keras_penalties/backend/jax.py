@@ -50,6 +50,13 @@ def kept_for_metrics(kept, variables):
     return tuple(jnp.zeros(v.shape, v.dtype) for v in variables)
 
 
+def traced_outside_scope(x):
+    """As `_common.traced_outside_scope`: `x` is a tracer and no stateless
+    scope collects assignments (a `jax.jit` of the user's own around a
+    composite; `fit` and `stateless_call` trace inside one)."""
+    return isinstance(x, jax.core.Tracer) and _keras_internals.stateless_scope() is None
+
+
 def _of_this_trace(x):
     """Whether `x` can be used in the computation running now: a concrete
     array, or a tracer of the current trace (a tracer of a trace that has

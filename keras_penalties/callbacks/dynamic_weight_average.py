@@ -7,10 +7,9 @@ import keras
 import numpy as np
 
 from keras_penalties import _validation as check
-from keras_penalties._term_means import objective_means
+from keras_penalties._term_means import term_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._targets import _add_to_model, _check_target, _log_weights, _settable_target, _Target
-from keras_penalties.losses import CompositeLoss
 
 
 class DynamicWeightAverage(keras.callbacks.Callback):
@@ -45,11 +44,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
         self.target = _settable_target(model, self.target_spec, "DynamicWeightAverage")
-        if isinstance(self.target, CompositeLoss):
-            _add_to_model(model, [self.target.tracker])
-            self.target.tracker_registered = True
-        else:
-            _add_to_model(model, [objective_means(self.target)])
+        _add_to_model(model, [term_means(self.target)])
 
     def _set(self, weights):
         self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
@@ -67,7 +62,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
         keys = [f"{self.target.name}/{name}" for name in self.target.terms]
         if logs is None or not all(key in logs for key in keys):
             self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
-            metric = self.target.tracker if isinstance(self.target, CompositeLoss) else objective_means(self.target)
+            metric = term_means(self.target)
             logs = metric.result()
         return np.array([float(logs[key]) for key in keys], "float64")
 

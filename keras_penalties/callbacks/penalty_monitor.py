@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import keras
 
 from keras_penalties import _validation as check
-from keras_penalties._term_means import objective_means
+from keras_penalties._term_means import term_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._external import _check_external, _ExternalScores
 from keras_penalties.callbacks._plot import _figure, _pyplot
@@ -118,10 +118,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         self.objectives = [layer for layer in _layers(model) if isinstance(layer, CompositeObjective)]
         # Metrics of the model from now on: later fits and evaluations report
         # them too, and reuse the traced step.
-        trackers = [loss.tracker for loss in _composite_losses(model)]
-        _add_to_model(model, [objective_means(o) for o in self.objectives] + trackers)
-        for loss in _composite_losses(model):
-            loss.tracker_registered = True
+        _add_to_model(model, [term_means(c) for c in self.objectives + _composite_losses(model)])
 
     # ------------------------------------------------------------ probes
 
