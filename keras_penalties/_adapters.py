@@ -137,15 +137,30 @@ class _Penalty:
 def _weighed_like_a_loss(name, loss, y_true, y_pred, sample_weight):
     """A Keras Loss's value with `sample_weight` and the Keras mask `y_pred`
     carries (read before any cast: a float32 copy of a half `y_pred` has
-    none), as one device would compute it on this replica's batch; under
-    several replicas, what makes the replicas' mean the global batch's value
+    none), as one device would compute it on this replica's batch; where
+    masked means are the global batch's (`reductions.global_means_active`),
+    what makes the replicas' mean the global batch's value
     (`_global_share`)."""
-    value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
-    if getattr(loss, "reduction", None) in _MEAN_REDUCTIONS:
-        # Keras' Loss divided its mean by the replicas in scope; undo it.
-        value = value * float(backend.loss_replicas())
-        if backend.replicas_in_sync() > 1:
-            value = _global_share(value, loss.reduction, sample_weight, _keras_internals.keras_mask(y_pred))
+    if not reductions.global_means_active():
+        value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
+        if getattr(loss, "reduction", None) in _MEAN_REDUCTIONS:
+            # Keras' Loss divided its mean by the replicas in scope; undo it.
+            value = value * float(backend.loss_replicas())
+        return value
+    if type(loss).__call__ is keras.losses.Loss.__call__:
+        # Keras' own steps, to see the mask it reduces with (a loss may add
+        # its own, as `ignore_class` does) and whether it reduced at all.
+        values, mask = _keras_internals.loss_values_and_mask(loss, y_true, y_pred)
+        reduction = loss.reduction
+        value = scalar(name, _keras_internals.reduce_loss_values(values, sample_weight, mask, reduction, loss.dtype))
+        reduced = tuple(values.shape) not in ((), (0,))
+    else:
+        # The package's Losses, whose values carry no mask of their own.
+        value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
+        mask, reduction, reduced = _keras_internals.keras_mask(y_pred), loss.reduction, True
+    if reduced and reduction in _MEAN_REDUCTIONS:
+        value = value * float(backend.loss_replicas())  # Keras' division by the replicas, undone
+        value = _global_share(value, reduction, sample_weight, mask)
     return value
 
 

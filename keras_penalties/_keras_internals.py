@@ -100,6 +100,40 @@ def current_call_context():
     return global_state.get_global_attribute("current_call_ctx")
 
 
+def loss_values_and_mask(loss, y_true, y_pred):
+    """What `keras.losses.Loss.__call__` of `loss` reduces: `loss.call` on
+    `y_true` and `y_pred` converted to the loss's dtype, and the mask it
+    reduces them with (the Keras mask of `y_pred`, that of the values, or
+    both ANDed; None for neither). For a Loss whose `__call__` is Keras' own.
+
+    Relies on: `Loss.__call__`'s steps and `get_keras_mask` (Keras 3.0 on;
+    read in 3.14 and 3.15).
+    """
+    from keras.src.backend.common.masking import get_keras_mask
+
+    in_mask = get_keras_mask(y_pred)
+    with keras.name_scope(loss.name):
+        y_pred = keras.tree.map_structure(lambda x: keras.ops.convert_to_tensor(x, dtype=loss.dtype), y_pred)
+        y_true = keras.tree.map_structure(lambda x: keras.ops.convert_to_tensor(x, dtype=loss.dtype), y_true)
+        values = loss.call(y_true, y_pred)
+    out_mask = get_keras_mask(values)
+    if in_mask is not None and out_mask is not None:
+        return values, in_mask & out_mask
+    return values, in_mask if in_mask is not None else out_mask
+
+
+def reduce_loss_values(values, sample_weight, mask, reduction, dtype):
+    """Keras' reduction of a Loss's values with `sample_weight` and `mask`,
+    as `Loss.__call__` ends (the division by the replicas included).
+
+    Relies on: `keras.src.losses.loss.reduce_weighted_values` (Keras 3.0
+    on; read in 3.14 and 3.15).
+    """
+    from keras.src.losses.loss import reduce_weighted_values
+
+    return reduce_weighted_values(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+
 def keras_mask(x):
     """The Keras mask `x` carries (set by `Embedding(mask_zero=True)`,
     `Masking`, …), or None; what `keras.losses.Loss.__call__` reads of its

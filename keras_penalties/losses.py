@@ -442,7 +442,10 @@ class CompositeLoss(Composite, keras.losses.Loss):
         # Keras tells a loss nothing of training: its values count as a
         # training call's (fit resets them before evaluate reads them).
         self._running.add(reported, training=True, keep=not _capture.active(self))
-        total = self._total(values, update=self.weighting == "famo" and training)
+        # In a jax.jit of the user's own (no stateless scope) FAMO's state
+        # cannot take the trace's values: it stays.
+        update = self.weighting == "famo" and training and not backend.traced_outside_scope(values)
+        total = self._total(values, update=update)
         divisor = backend.loss_replicas()
         if divisor > 1:
             # As Keras' own losses do: the replicas' gradients are summed.

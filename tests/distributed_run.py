@@ -271,7 +271,8 @@ SAMPLE_WEIGHTS = np.repeat(np.tile(np.repeat([0.25, 1.0], 4), 4)[:, None], TOKEN
 def train_token_loss():
     """A CompositeLoss whose terms reduce with Keras' mask and sample
     weights: a Keras loss over the kept positions ("sum_over_batch_size"),
-    one divided by the kept sample weights ("mean_with_sample_weight"), the
+    one divided by the kept sample weights ("mean_with_sample_weight"), one
+    that masks positions of its own (`ignore_class`), the
     package's Entropy, and an ops term with per-position values. Each is the
     global batch's mean, not the replicas' means' mean."""
     keras.utils.set_random_seed(4)
@@ -285,10 +286,12 @@ def train_token_loss():
         {
             "ce": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             "ce_sw": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+            # Its own mask (labels of class 0 ignored), ANDed with the input's.
+            "ce_ignore": keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
             "ent": L.Entropy(from_logits=True),
             "ent_op": Term("entropy", options={"from_logits": True}),
         },
-        weights={"ce": 1.0, "ce_sw": 0.5, "ent": 0.1, "ent_op": 0.05},
+        weights={"ce": 1.0, "ce_sw": 0.5, "ce_ignore": 0.25, "ent": 0.1, "ent_op": 0.05},
         name="mloss",
     )
     model.compile(keras.optimizers.SGD(0.1), loss=loss)

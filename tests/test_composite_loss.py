@@ -208,3 +208,41 @@ def test_ops_function_terms_weigh_per_sample_sums_and_take_both_tensors_where_th
     # Unweighted, each term is the ops function's own value.
     unweighted = np.mean(np.sum(p64**2, axis=-1)) + 0.1 * np.sum(np.abs(p64)) + 0.5 * np.mean(gauss)
     np.testing.assert_allclose(to_numpy(loss(y_true, y_pred)), unweighted, rtol=1e-5)
+
+
+def test_each_batch_logs_the_running_mean_of_the_terms():
+    # Per-batch logs (the progress bar's, a callback's on_train_batch_end and
+    # on_test_batch_end) hold each term's mean over the batches so far, as the
+    # epoch's logs do: against NumPy, batch by batch, with a frozen model.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones")])
+    model.compile(
+        keras.optimizers.SGD(0.0),
+        loss=L.CompositeLoss(
+            {"mse": keras.losses.MeanSquaredError(), "ent": L.Entropy(from_logits=True)}, name="closs"
+        ),
+    )
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(12, 3)).astype(np.float32)
+    y = rng.normal(size=(12, 4)).astype(np.float32)
+    logits = (x @ np.ones((3, 4))).astype(np.float64)
+    batches = [slice(i, i + 4) for i in (0, 4, 8)]
+    mse = [np.mean((logits[b] - y[b]) ** 2) for b in batches]
+    ent = [O.np_entropy(logits[b], from_logits=True) for b in batches]
+
+    class BatchLogs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.train, self.test = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.train.append((float(logs["closs/mse"]), float(logs["closs/ent"])))
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.test.append((float(logs["closs/mse"]), float(logs["closs/ent"])))
+
+    seen = BatchLogs()
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[PenaltyMonitor(), seen])
+    model.evaluate(x, y, batch_size=4, verbose=0, callbacks=[seen])
+    expected = np.stack([np.cumsum(mse) / np.arange(1, 4), np.cumsum(ent) / np.arange(1, 4)], axis=1)
+    np.testing.assert_allclose(seen.train, expected, rtol=1e-5)
+    np.testing.assert_allclose(seen.test, expected, rtol=1e-5)

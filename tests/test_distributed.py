@@ -92,6 +92,7 @@ def test_two_devices_match_one(mode):
         "masked/history/loss",
         "masked/history/mloss/ce",
         "masked/history/mloss/ce_sw",
+        "masked/history/mloss/ce_ignore",
         "masked/history/mloss/ent",
         "masked/history/mloss/ent_op",
         "masked/kernel",

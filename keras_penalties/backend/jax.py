@@ -27,11 +27,12 @@ def keep_for_metrics(variables):
     pass's scope has closed, so a variable the forward pass assigned reads
     there its value from before the step (or none: the trainer frees it).
     In the forward pass of a training or test step (a scope that collects
-    losses), the variables' values with their gradient stopped: inside
+    losses), or in its loss's computation (a scope that holds the
+    variables), the variables' values with their gradient stopped: inside
     `value_and_grad` they are then tracers of the step's own trace. Else
     None."""
     scope = _keras_internals.stateless_scope()
-    if scope is None or not scope.collect_losses:
+    if scope is None or not (scope.collect_losses or all(scope.get_current_value(v) is not None for v in variables)):
         return None
     return tuple(jax.lax.stop_gradient(v.value) for v in variables)
 

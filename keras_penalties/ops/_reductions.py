@@ -31,6 +31,12 @@ def global_token_means(layer=None):
         _GLOBAL.reset(token)
 
 
+def global_means_active():
+    """Whether a masked mean is the global batch's here: within
+    `global_token_means` under several replicas."""
+    return bool(_GLOBAL.get()) and backend.replicas_in_sync() > 1
+
+
 def kept_divisor(count, floor=1.0):
     """What a masked mean's sum is divided by: `count`, the positions kept,
     at least 1. Within `global_token_means` under several replicas, the
