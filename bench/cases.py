@@ -131,45 +131,31 @@ _LLM_FUNCTIONS = {
     "entropy": (lambda c: lambda m, x: P.entropy(x, from_logits=True, mask=m, chunk_size=c), native.masked_entropy, 1),
 }
 
-LLM_CASES = (
-    [
-        Case(
-            f"masked {name} value+grad {list(shape)}, chunk_size={LLM_CHUNK}",
-            _PEER,
-            "time ≤ 1.10, memory ≤ 0.50",
-            _llm(ours(LLM_CHUNK), peer, shape, count),
-            1.10,
-            0.50,
-        )
-        for shape in LLM_SHAPES
-        for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
-    ]
-    + [
-        # chunk_size="auto": the backend's element budget over the vocabulary
-        # (8192 rows of 32000 and 4096 of 128256: JAX 512 and 128 rows, TF 32
-        # and 8, torch 128 and 32).
-        Case(
-            f"masked {name} value+grad {list(shape)}, chunk_size=auto",
-            _PEER,
-            "time ≤ 1.10, memory ≤ 0.50",
-            _llm(ours("auto"), peer, shape, count),
-            1.10,
-            0.50,
-        )
-        for shape in LLM_SHAPES
-        for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
-    ]
-    + [
-        Case(
-            f"masked {name} value+grad {list(LLM_SHAPES[0])}, chunk_size={LLM_CHUNK} vs none",
-            "our unchunked call",
-            "reported",
-            _llm(ours(LLM_CHUNK), ours(None), LLM_SHAPES[0], count),
-        )
-        for name, (ours, _, count) in _LLM_FUNCTIONS.items()
-        if name in ("kl forward", "js β=0.5", "entropy")
-    ]
-)
+LLM_CASES = [
+    # chunk_size="auto": the backend's element budget over the vocabulary
+    # (8192 rows of 32000 and 4096 of 128256: JAX 512 and 128 rows, TF 32
+    # and 8, torch 128 and 32).
+    Case(
+        f"masked {name} value+grad {list(shape)}, chunk_size={chunk}",
+        _PEER,
+        "time ≤ 1.10, memory ≤ 0.50",
+        _llm(ours(chunk), peer, shape, count),
+        1.10,
+        0.50,
+    )
+    for chunk in (LLM_CHUNK, "auto")
+    for shape in LLM_SHAPES
+    for name, (ours, peer, count) in _LLM_FUNCTIONS.items()
+] + [
+    Case(
+        f"masked {name} value+grad {list(LLM_SHAPES[0])}, chunk_size={LLM_CHUNK} vs none",
+        "our unchunked call",
+        "reported",
+        _llm(ours(LLM_CHUNK), ours(None), LLM_SHAPES[0], count),
+    )
+    for name, (ours, _, count) in _LLM_FUNCTIONS.items()
+    if name in ("kl forward", "js β=0.5", "entropy")
+]
 
 
 # ---------------------------------------------------------------- LLM heads: losses from hidden states (SPEC §10)

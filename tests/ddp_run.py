@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-from tests.multiprocess_run import BATCH, LM_LABELS, LM_TOKENS, TOKENS, VOCAB, X, Y, local_rows
+from tests import process_models
+from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, TOKENS, X, Y, local_rows
 
 # Token and row masks that keep the same number in each half of every global
 # batch (each process's rows): DDP's average of the processes' means is then
@@ -49,24 +50,7 @@ def regression(process, processes):
     import keras
     import torch
 
-    from keras_penalties import CompositeObjective, Term
-    from keras_penalties import optimizers as opt
-    from keras_penalties import regularizers as R
-
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
-    hidden = CompositeObjective(
-        {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
-    )(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
-    optimizer = opt.ProximalDecay(
-        opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
-    )
-    optimizer.build(model.trainable_variables)
-    head = CompositeObjective(
-        {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
-    )
+    model, optimizer, head = process_models.regression()
     forward = torch.nn.parallel.DistributedDataParallel(model) if processes > 1 else model
     x, y, mask = (torch.tensor(local_rows(a, process, processes)) for a in (X, Y, MASK))
     per = BATCH // processes
@@ -92,28 +76,7 @@ def distiller(process, processes):
     import keras
     import torch
 
-    from keras_penalties.distillation import Distiller, LogitsDivergence
-
-    def lm(name, seed):
-        keras.utils.set_random_seed(seed)
-        tokens = keras.Input((TOKENS,), dtype="int32")
-        embedding = keras.layers.ReversibleEmbedding(
-            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
-        )
-        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
-        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
-
-    model = Distiller(
-        lm("teacher", 1),
-        lm("student", 2),
-        [LogitsDivergence(temperature=2.0, name="kd")],
-        [4.0],
-        student_loss_weight=0.4,
-        head="embedding",
-        teacher_head="embedding",
-        chunk_size=4,
-    )
-    model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = process_models.distiller()
     variables = model.student.trainable_variables
     model.optimizer.build(variables)
     rows = [torch.tensor(local_rows(a, process, processes)) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]

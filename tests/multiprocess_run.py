@@ -22,31 +22,14 @@ if __name__ == "__main__" and sys.argv[1] == "die":
     sys.exit("this process dies at once, as a crashed peer would")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 from keras_penalties import CompositeObjective, Term  # noqa: E402
 from keras_penalties import losses as L  # noqa: E402
 from keras_penalties import optimizers as opt  # noqa: E402
 from keras_penalties import regularizers as R  # noqa: E402
 from keras_penalties.callbacks import GradNorm, PenaltyMonitor  # noqa: E402
-from keras_penalties.distillation import Distiller, LogitsDivergence  # noqa: E402
-
-BATCH = 8  # global rows per step
-RNG = np.random.default_rng(0)
-X = RNG.normal(size=(32, 6)).astype("float32")
-Y = RNG.normal(size=(32, 4)).astype("float32")
-VOCAB, TOKENS = 9, 4
-LM_TOKENS = RNG.integers(0, VOCAB, size=(32, TOKENS))
-LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
-# The first half of every global batch keeps fewer tokens: uneven per process.
-LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4), 4)[:, None]).astype("float32")
-LM_WEIGHTS[:, 0] = 1.0
-
-
-def local_rows(array, process, processes):
-    """This process's rows of each global batch of BATCH rows."""
-    per = BATCH // processes
-    return np.concatenate([array[b + process * per : b + (process + 1) * per] for b in range(0, len(array), BATCH)])
+from tests import process_models  # noqa: E402
+from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, X, Y, local_rows  # noqa: E402
 
 
 def build():
@@ -101,26 +84,7 @@ def train(process, processes):
 
 
 def train_distiller(process, processes):
-    def lm(name, seed):
-        keras.utils.set_random_seed(seed)
-        tokens = keras.Input((TOKENS,), dtype="int32")
-        embedding = keras.layers.ReversibleEmbedding(
-            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
-        )
-        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
-        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
-
-    distiller = Distiller(
-        lm("teacher", 1),
-        lm("student", 2),
-        [LogitsDivergence(temperature=2.0, name="kd")],
-        [4.0],
-        student_loss_weight=0.4,
-        head="embedding",
-        teacher_head="embedding",
-        chunk_size=4,
-    )
-    distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    distiller = process_models.distiller()
     rows = [local_rows(a, process, processes) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
     history = distiller.fit(
         *rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0

@@ -37,7 +37,8 @@ except ImportError:
 
 import numpy as np  # noqa: E402
 
-from tests.multiprocess_run import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, TOKENS, VOCAB, X, Y, local_rows  # noqa: E402
+from tests import process_models  # noqa: E402
+from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, X, Y, local_rows  # noqa: E402
 
 # Rows a masked mean keeps: fewer in the first half of every global batch
 # (the first worker's rows), so the workers' means differ from the global one.
@@ -55,28 +56,10 @@ def strategy_for(role):
 
 
 def regression(strategy, process, processes):
-    import keras
     import tensorflow as tf
 
-    from keras_penalties import CompositeObjective, Term
-    from keras_penalties import optimizers as opt
-    from keras_penalties import regularizers as R
-
     with strategy.scope():
-        keras.utils.set_random_seed(1)
-        inputs = keras.Input((6,))
-        hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
-        hidden = CompositeObjective(
-            {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
-        )(hidden)
-        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
-        optimizer = opt.ProximalDecay(
-            opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
-        )
-        optimizer.build(model.trainable_variables)
-        head = CompositeObjective(
-            {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
-        )
+        model, optimizer, head = process_models.regression()
     replicas = strategy.num_replicas_in_sync
 
     def replica_step(x, y, mask):
@@ -103,32 +86,10 @@ def regression(strategy, process, processes):
 
 
 def distiller(strategy, process, processes):
-    import keras
     import tensorflow as tf
 
-    from keras_penalties.distillation import Distiller, LogitsDivergence
-
-    def lm(name, seed):
-        keras.utils.set_random_seed(seed)
-        tokens = keras.Input((TOKENS,), dtype="int32")
-        embedding = keras.layers.ReversibleEmbedding(
-            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
-        )
-        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
-        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
-
     with strategy.scope():
-        model = Distiller(
-            lm("teacher", 1),
-            lm("student", 2),
-            [LogitsDivergence(temperature=2.0, name="kd")],
-            [4.0],
-            student_loss_weight=0.4,
-            head="embedding",
-            teacher_head="embedding",
-            chunk_size=4,
-        )
-        model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = process_models.distiller()
         model.optimizer.build(model.student.trainable_variables)
 
     def replica_step(tokens, labels, weights):

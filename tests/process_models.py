@@ -1,0 +1,83 @@
+"""What the several-process runs train (tests/multiprocess_run.py,
+tests/multiworker_run.py, tests/ddp_run.py), each distributed its own way:
+the global data, each process's rows of it, and the models. Only NumPy at
+import: a TF worker must set TF_CONFIG, and make its strategy, before
+TensorFlow starts, so Keras is imported inside the builders."""
+
+import numpy as np
+
+BATCH = 8  # global rows per step
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 6)).astype("float32")
+Y = RNG.normal(size=(32, 4)).astype("float32")
+VOCAB, TOKENS = 9, 4
+LM_TOKENS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
+# The first half of every global batch keeps fewer tokens: uneven per process.
+LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4), 4)[:, None]).astype("float32")
+LM_WEIGHTS[:, 0] = 1.0
+
+
+def local_rows(array, process, processes):
+    """This process's rows of each global batch of BATCH rows."""
+    per = BATCH // processes
+    return np.concatenate([array[b + process * per : b + (process + 1) * per] for b in range(0, len(array), BATCH)])
+
+
+def distiller():
+    """The fused Distiller the runs train: a teacher and a student whose tied
+    embeddings are their heads, one temperature-2 KL (weight 4) beside a
+    0.4-weighted cross-entropy, chunks of 4 rows; compiled with SGD(0.05)."""
+    import keras
+
+    from keras_penalties.distillation import Distiller, LogitsDivergence
+
+    def lm(name, seed):
+        keras.utils.set_random_seed(seed)
+        tokens = keras.Input((TOKENS,), dtype="int32")
+        embedding = keras.layers.ReversibleEmbedding(
+            VOCAB, 6, embeddings_initializer=keras.initializers.RandomNormal(stddev=1.5), name="embedding"
+        )
+        hidden = keras.layers.Dense(6, activation="tanh", name="body")(embedding(tokens))
+        return keras.Model(tokens, embedding(hidden, reverse=True), name=name)
+
+    model = Distiller(
+        lm("teacher", 1),
+        lm("student", 2),
+        [LogitsDivergence(temperature=2.0, name="kd")],
+        [4.0],
+        student_loss_weight=0.4,
+        head="embedding",
+        teacher_head="embedding",
+        chunk_size=4,
+    )
+    model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def regression():
+    """What the custom loops train: `(model, optimizer, head)`, a regression
+    model with a `CompositeObjective` inside, `ProximalDecay` around
+    `AdaptiveGradientClipping` (built), and an objective on the predictions
+    with a masked entropy (`head.compute({"pred": ..., "mask": ...})`)."""
+    import keras
+
+    from keras_penalties import CompositeObjective, Term
+    from keras_penalties import optimizers as opt
+    from keras_penalties import regularizers as R
+
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
+    hidden = CompositeObjective(
+        {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
+    )(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+    optimizer = opt.ProximalDecay(
+        opt.AdaptiveGradientClipping(keras.optimizers.SGD(0.05), clip_factor=0.05), R.L1(1e-3)
+    )
+    optimizer.build(model.trainable_variables)
+    head = CompositeObjective(
+        {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
+    )
+    return model, optimizer, head
