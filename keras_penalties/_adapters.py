@@ -171,29 +171,13 @@ def _global_share(value, reduction, sample_weight, mask):
     ("sum_over_batch_size", "mean"), the sample weights merged with the
     mask ("mean_with_sample_weight"). value·d / (Σ_replicas d / replicas)."""
     if reduction == "mean_with_sample_weight" and (sample_weight is not None or mask is not None):
-        weights = _merged_weights(sample_weight, mask)
+        weights = _keras_internals.loss_sample_weight(sample_weight, mask, reduction)
     elif mask is not None and reduction != "mean_with_sample_weight":
-        weights = ops.cast(mask, "float32")
+        weights = mask
     else:
         return value  # the number of values: the same on every replica
-    divisor = ops.sum(weights)
+    divisor = ops.sum(ops.cast(weights, "float32"))
     return ops.divide_no_nan(value * divisor, reductions.kept_divisor(divisor, floor=0.0))
-
-
-def _merged_weights(sample_weight, mask):
-    """`sample_weight` times the mask, the lower rank expanded (or a
-    trailing 1 squeezed) as Keras' Loss does."""
-    if mask is None:
-        return ops.cast(sample_weight, "float32")
-    mask = ops.cast(mask, "float32")
-    if sample_weight is None:
-        return mask
-    weights = ops.cast(sample_weight, "float32")
-    if len(weights.shape) == len(mask.shape) + 1 and weights.shape[-1] == 1:
-        weights = ops.squeeze(weights, -1)
-    while len(weights.shape) < len(mask.shape):
-        weights = ops.expand_dims(weights, -1)
-    return weights * mask
 
 
 class _OpPenalty(_Penalty):

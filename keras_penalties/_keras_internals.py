@@ -134,6 +134,21 @@ def reduce_loss_values(values, sample_weight, mask, reduction, dtype):
     return reduce_weighted_values(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
 
 
+def loss_sample_weight(sample_weight, mask, reduction):
+    """The weights Keras' Loss multiplies values by, and with
+    "mean_with_sample_weight" sums for its divisor: `sample_weight` merged
+    with `mask` (float32).
+
+    Relies on: `keras.src.losses.loss.apply_mask` (Keras 3.0 on; read in
+    3.14 and 3.15).
+    """
+    from keras.src.losses.loss import apply_mask
+
+    if sample_weight is not None:
+        sample_weight = keras.ops.convert_to_tensor(sample_weight, dtype="float32")
+    return apply_mask(sample_weight, mask, dtype="float32", reduction=reduction)
+
+
 def keras_mask(x):
     """The Keras mask `x` carries (set by `Embedding(mask_zero=True)`,
     `Masking`, …), or None; what `keras.losses.Loss.__call__` reads of its
