@@ -10,7 +10,7 @@ import inspect
 import keras
 from keras import ops
 
-from keras_penalties import _keras_internals, backend
+from keras_penalties import _keras_internals, _replicas, backend
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _reductions as reductions
 
@@ -81,7 +81,7 @@ def ops_reduction(loss, y_true, y_pred, sample_weight):
         # (A half-precision loss would round each sample's value before
         # Keras sums them; the ops sum in float32.)
         return None
-    if backend.loss_replicas() != 1:
+    if _replicas.keras_divisor() != 1:
         return None
     for t in (y_pred, y_true):
         if t is not None and not (ops.is_tensor(t) and keras.backend.standardize_dtype(t.dtype) == loss.dtype):
@@ -144,8 +144,7 @@ def _weighed_like_a_loss(name, loss, y_true, y_pred, sample_weight):
     if not reductions.global_means_active():
         value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
         if getattr(loss, "reduction", None) in _MEAN_REDUCTIONS:
-            # Keras' Loss divided its mean by the replicas in scope; undo it.
-            value = value * float(backend.loss_replicas())
+            value = _replicas.unshare(value)
         return value
     if type(loss).__call__ is keras.losses.Loss.__call__:
         # Keras' own steps, to see the mask it reduces with (a loss may add
@@ -159,7 +158,7 @@ def _weighed_like_a_loss(name, loss, y_true, y_pred, sample_weight):
         value = scalar(name, loss(y_true, y_pred, sample_weight=sample_weight))
         mask, reduction, reduced = _keras_internals.keras_mask(y_pred), loss.reduction, True
     if reduced and reduction in _MEAN_REDUCTIONS:
-        value = value * float(backend.loss_replicas())  # Keras' division by the replicas, undone
+        value = _replicas.unshare(value)
         value = _global_share(value, reduction, sample_weight, mask)
     return value
 

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_penalties import _keras_internals, backend
+from keras_penalties import _keras_internals, _replicas, backend
 from keras_penalties import _validation as check
 from keras_penalties._weighting import (
     FAMO_DEFAULTS,
@@ -24,17 +24,6 @@ from keras_penalties._weighting import (
 )
 from keras_penalties._types import Tensor
 from keras_penalties.terms import build_terms, serialize_terms
-
-
-def whole_batch_values(values, sums):
-    """Each replica's term values scaled so that their mean over replicas is
-    the whole batch's value: a sum over samples (where `sums`) times the
-    number of replicas in sync, a per-sample mean as is. Keras divides each
-    replica's loss by that number before it adds up their gradients."""
-    replicas = backend.replicas_in_sync()
-    if replicas == 1 or not any(sums):
-        return values
-    return values * ops.convert_to_tensor(np.where(sums, float(replicas), 1.0).astype("float32"))
 
 
 def state_variable(name, values, dtype="float32", trainable=False, aggregation="only_first_replica", local=False):
@@ -230,7 +219,7 @@ class Composite:
         Under several tf.distribute replicas its cross-replica sum and its
         state's assignments switch replica threads: the model's add_loss
         lists are kept as they were around them."""
-        if backend.replicas_in_sync() == 1:
+        if _replicas.in_sync() == 1:
             return self._famo_total(values, update)
         with _keras_internals.added_losses_kept(self._model_across_replicas()):
             return self._famo_total(values, update)
@@ -238,12 +227,8 @@ class Composite:
     def _famo_total(self, values, update):
         state = self._weight_state
         frozen = ops.stop_gradient(values)
-        values_in_sync = frozen
-        replicas = backend.replicas_in_sync()
-        if replicas > 1:
-            # Each replica's values have the whole batch's as their mean.
-            (values_in_sync,) = backend.sum_over_replicas([values_in_sync])
-            values_in_sync = values_in_sync / float(replicas)
+        # Each replica's values have the whole batch's as their mean.
+        (values_in_sync,) = _replicas.mean_in_sync([frozen])
         log_losses = ops.log(ops.maximum(values_in_sync, 0.0) + FAMO_EPSILON)
         logits = state.famo_logits.value
         if update:

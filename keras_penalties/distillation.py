@@ -22,7 +22,7 @@ from typing import Any, get_args
 import keras
 from keras import ops
 
-from keras_penalties import _keras_internals, backend
+from keras_penalties import _keras_internals, _replicas
 from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
 from keras_penalties._distiller_parts import (
@@ -172,7 +172,8 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         mask = _token_mask(sample_weight, student_outputs)
         total = self.divergence_sum(teacher_outputs, student_outputs, mask, chunk_size)
         kept = _positions(student_outputs) if mask is None else ops.sum(ops.cast(mask, "float32"))
-        return self.scale * _mean_over_replicas(total, kept)
+        # The replicas' values average to the global mean over kept tokens.
+        return self.scale * total / _replicas.global_divisor(kept)
 
     def get_config(self) -> dict[str, Any]:
         return with_hint(
@@ -190,20 +191,6 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LogitsDivergence":
         return cls(**without_hint(config))
-
-
-def _mean_over_replicas(total, count):
-    """total / count, with both summed over the replicas of a
-    `tf.distribute` step and the result × replicas: the replicas' values
-    then average to the global mean over kept tokens (Keras divides each
-    replica's loss by their number), even when replicas keep different
-    numbers of tokens. Elsewhere total / count."""
-    count = ops.cast(count, "float32")
-    replicas = backend.replicas_in_sync()
-    if replicas > 1:
-        (count,) = backend.sum_over_replicas([count])
-        total = total * float(replicas)
-    return total / ops.maximum(count, 1.0)
 
 
 @keras.saving.register_keras_serializable(package="keras_penalties")
@@ -336,11 +323,10 @@ class Distiller(keras.distillation.Distiller):
         own: Any = [ops.cast(loss, "float32") for loss in self.losses]
         own = sum(own) if own else 0.0
         student = self.head.logits(y_pred) if self._fused_step else y_pred  # type: ignore[union-attr]  # fused: a head
-        replicas = float(backend.loss_replicas())
 
         student_loss = ops.zeros((), "float32")
         if self.student_loss_weight > 0.0 and y is not None:
-            student_loss = self._student_loss_value(y, student, sample_weight, replicas)
+            student_loss = self._student_loss_value(y, student, sample_weight)
 
         distillation = ops.zeros((), "float32")
         if self.student_loss_weight < 1.0:
@@ -363,10 +349,8 @@ class Distiller(keras.distillation.Distiller):
         self.student_loss_tracker.update_state(student_loss)
         self.distillation_loss_tracker.update_state(distillation)
         self.total_loss_tracker.update_state(total)
-        # Keras divides each replica's loss by the replicas and sums their
-        # gradients: the values above are each replica's share of the
-        # one-device numbers.
-        return total / replicas
+        # The values above are this replica's one-device numbers.
+        return _replicas.share(total)
 
     def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: TensorLike | None = None) -> dict[str, Any]:
         if not self._fused_step:
@@ -398,7 +382,7 @@ class Distiller(keras.distillation.Distiller):
             return self.teacher_head.logits(self.teacher_head.hidden_model(x, training=False))
         return self.teacher(x, training=False)
 
-    def _student_loss_value(self, y, student, sample_weight, replicas):
+    def _student_loss_value(self, y, student, sample_weight):
         """The student loss on this replica, unscaled (as on one device)."""
         if self._fused_step:
             weights = ops.ones(ops.shape(student.hidden)[:-1]) if sample_weight is None else sample_weight
@@ -413,9 +397,9 @@ class Distiller(keras.distillation.Distiller):
             y,
             student,
         )
-        # Keras' losses divide their means by the replicas in scope; undone
-        # here and applied once to the total.
-        return sum(ops.mean(v) for v in keras.tree.flatten(values)) * replicas
+        # Keras' losses divide their means by the replicas; undone here and
+        # applied once to the total.
+        return _replicas.unshare(sum(ops.mean(v) for v in keras.tree.flatten(values)))
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

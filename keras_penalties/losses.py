@@ -14,16 +14,18 @@ package `"keras_penalties.losses"`.
 weighted total of `CompositeObjective` (`_composite.Composite`).
 """
 
+import inspect
 import weakref
 from typing import Any, TypeVar
 
 import keras
 from keras import ops
 
-from keras_penalties import _capture, _keras_internals, backend
+from keras_penalties import _capture, _keras_internals, _replicas, backend
 from keras_penalties import ops as penalties
 from keras_penalties._adapters import as_float32, loss_result, ops_reduction
-from keras_penalties._composite import Composite, whole_batch_values
+from keras_penalties._composite import Composite
+from keras_penalties._replicas import whole_batch_values
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._loss_state import LossState
 from keras_penalties._types import (
@@ -49,14 +51,24 @@ _PACKAGE = "keras_penalties.losses"
 _Loss = TypeVar("_Loss", bound="_PenaltyLoss")
 
 
+def _options(fn: Any) -> frozenset[str]:
+    # An ops function's options: its keyword-only parameters but the call's own.
+    parameters = inspect.signature(fn).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY) - {"reduction", "mask"}
+
+
 class _PenaltyLoss(keras.losses.Loss):
     """Per-sample `self.penalty(y_true, y_pred, reduction="none", **options)`."""
 
     penalty: Any = None  # the ops function, a staticmethod in each subclass
 
-    def __init__(self, reduction: LossReduction, name: str | None, dtype: DType, **options: Any) -> None:
-        self._options = type(self).penalty.check_options(**options)
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        # `arguments`: the subclass constructor's own (its `locals()`): Keras'
+        # reduction, name and dtype, and the ops function's options.
+        penalty = type(self).penalty
+        options = {k: v for k, v in arguments.items() if k in _options(penalty)}
+        self._options = penalty.check_options(**options)
+        super().__init__(name=arguments["name"], reduction=arguments["reduction"], dtype=arguments["dtype"])
         for key, value in self._options.items():
             setattr(self, key, value)
 
@@ -131,16 +143,7 @@ class KLDivergence(_PenaltyLoss):
         dtype: DType = None,
         chunk_size: ChunkSize = None,
     ) -> None:
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            direction=direction,
-            temperature=temperature,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+        super().__init__(locals())
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -171,16 +174,7 @@ class JSDivergence(_PenaltyLoss):
         dtype: DType = None,
         chunk_size: ChunkSize = None,
     ) -> None:
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            temperature=temperature,
-            beta=beta,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+        super().__init__(locals())
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -216,16 +210,7 @@ class Entropy(_PenaltyLoss):
         chunk_size: ChunkSize = None,
     ) -> None:
         self.mode = check_entropy_mode("mode", mode)
-        super().__init__(
-            reduction,
-            name,
-            dtype,
-            from_logits=from_logits,
-            normalize=normalize,
-            temperature=temperature,
-            axis=axis,
-            chunk_size=chunk_size,
-        )
+        super().__init__(locals())
 
     def __call__(
         self, y_true: TensorLike | None, y_pred: TensorLike, sample_weight: TensorLike | None = None
@@ -266,7 +251,7 @@ class Consistency(_PenaltyLoss):
         name: str = "consistency",
         dtype: DType = None,
     ) -> None:
-        super().__init__(reduction, name, dtype, metric=metric, from_logits=from_logits, axis=axis)
+        super().__init__(locals())
 
 
 # ---------------------------------------------------------------- CompositeLoss
@@ -446,11 +431,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         # cannot take the trace's values: it stays.
         update = self.weighting == "famo" and training and not backend.traced_outside_scope(values)
         total = self._total(values, update=update)
-        divisor = backend.loss_replicas()
-        if divisor > 1:
-            # As Keras' own losses do: the replicas' gradients are summed.
-            total = total / float(divisor)
-        return ops.cast(total, self.dtype), values
+        return ops.cast(_replicas.share(total), self.dtype), values
 
     def _model(self) -> keras.Model | None:
         """The model holding the loss's variables (the latest attached that
@@ -461,7 +442,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         """Under several tf.distribute replicas, the model computing this loss
         (whose add_loss lists a cross-replica sum must keep: Keras reads them
         after the loss); else None."""
-        return None if backend.replicas_in_sync() == 1 else self._model()
+        return None if _replicas.in_sync() == 1 else self._model()
 
     def call(self, y_true: TensorLike, y_pred: TensorLike) -> Tensor:
         return self(y_true, y_pred)

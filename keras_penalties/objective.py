@@ -34,7 +34,8 @@ from keras_penalties import _validation as check
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties._adapters import as_float32
-from keras_penalties._composite import Composite, WeightState, state_variable, whole_batch_values
+from keras_penalties._composite import Composite, WeightState, state_variable
+from keras_penalties._replicas import whole_batch_values
 from keras_penalties._term_means import RunningSums
 from keras_penalties.terms import Term, deserialize_terms
 

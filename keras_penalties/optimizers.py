@@ -28,7 +28,7 @@ from typing import Any, Sequence, TypeAlias, TypeVar
 import keras
 from keras import ops
 
-from keras_penalties import _keras_internals, backend, regularizers
+from keras_penalties import _keras_internals, _replicas, backend, regularizers
 from keras_penalties import _validation as check
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import Tensor
@@ -295,13 +295,8 @@ class _GradientTransform(_Wrapper):
         # Under tf.distribute each replica holds its part of the gradient and
         # the inner optimizer sums them: a nonlinear transform must see the
         # whole gradient, and hands each replica an equal share of the result.
-        replicas = backend.replicas_in_sync()
-        if replicas > 1:
-            grads = backend.sum_over_replicas(grads)
-        grads = self._transform_all(grads, variables)
-        if replicas > 1:
-            grads = [None if g is None else g / replicas for g in grads]
-        self._inner_apply(grads, variables)
+        whole, shares = _replicas.split_in_sync(grads)
+        self._inner_apply(shares(self._transform_all(whole, variables)), variables)
 
     def _transform_all(self, grads, variables):
         return [g if g is None or not self._included(v) else self._transform(g, v) for g, v in zip(grads, variables)]

@@ -6,39 +6,30 @@ function of tensors that runs inside `jit` on JAX, TensorFlow and PyTorch.
 Options are keyword-only.
 """
 
+# Re-exported by name (`x as x`); `__all__` adds the penalty names from one list.
 from typing import get_args
 
 from keras_penalties._types import PenaltyName
 from keras_penalties.ops.divergences import (
-    consistency,
-    entropy,
-    gaussian_kl,
-    js_divergence,
-    kl_divergence,
-    kl_sparsity,
+    consistency as consistency,
+    entropy as entropy,
+    gaussian_kl as gaussian_kl,
+    js_divergence as js_divergence,
+    kl_divergence as kl_divergence,
+    kl_sparsity as kl_sparsity,
 )
-from keras_penalties.ops._tokens import LinearLogits
-from keras_penalties.ops.heads import cross_entropy, linear
-from keras_penalties.ops.magnitude import elastic_net, l1, l2, output_magnitude
-from keras_penalties.ops.orthogonality import orthogonality
-
-__all__ = [
-    "LinearLogits",
-    "consistency",
-    "cross_entropy",
-    "elastic_net",
-    "entropy",
-    "gaussian_kl",
-    "js_divergence",
-    "kl_divergence",
-    "kl_sparsity",
-    "l1",
-    "l2",
-    "linear",
-    "orthogonality",
-    "output_magnitude",
-]
+from keras_penalties.ops._tokens import LinearLogits as LinearLogits
+from keras_penalties.ops.heads import cross_entropy as cross_entropy, linear as linear
+from keras_penalties.ops.magnitude import (
+    elastic_net as elastic_net,
+    l1 as l1,
+    l2 as l2,
+    output_magnitude as output_magnitude,
+)
+from keras_penalties.ops.orthogonality import orthogonality as orthogonality
 
 # The functions a `Term` may name: each returns a scalar penalty (not
 # `linear`, which describes logits for them).
 PENALTIES = get_args(PenaltyName)
+
+__all__ = ["LinearLogits", "linear", *PENALTIES]

@@ -8,7 +8,7 @@ import contextvars
 
 from keras import ops
 
-from keras_penalties import backend
+from keras_penalties import _replicas, backend
 
 # Set by the composites around their terms (`global_token_means`): the
 # layer whose forward pass the terms run in, or None outside one.
@@ -34,7 +34,7 @@ def global_token_means(layer=None):
 def global_means_active():
     """Whether a masked mean is the global batch's here: within
     `global_token_means` under several replicas."""
-    return bool(_GLOBAL.get()) and backend.replicas_in_sync() > 1
+    return bool(_GLOBAL.get()) and _replicas.in_sync() > 1
 
 
 def kept_divisor(count, floor=1.0):
@@ -45,12 +45,9 @@ def kept_divisor(count, floor=1.0):
     of their gradients, give the global mean (and so do their values'
     mean)."""
     scope = _GLOBAL.get()
-    replicas = backend.replicas_in_sync()
-    if not scope or replicas == 1:
+    if not scope or _replicas.in_sync() == 1:
         return at_least_one(count)
-    # float32: a count of rows is an int (a shape), which TF divides by no float.
-    (total,) = backend.sum_over_replicas([ops.cast(count, "float32")], keep_losses_of=scope[0])
-    return ops.maximum(total, floor) / float(replicas)
+    return _replicas.global_divisor(count, floor, keep_losses_of=scope[0])
 
 
 def count(x, axis=None):
