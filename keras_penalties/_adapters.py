@@ -23,6 +23,10 @@ MAGNITUDE_OPS = ("l1", "l2", "elastic_net")
 # A Keras Loss with one of these reductions divides by the batch size (and,
 # under a tf.distribute strategy, by the number of replicas).
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+# Ops whose first tensor is the model's prediction (the sampled tokens'
+# log-probabilities) and whose second the reference: in a CompositeLoss,
+# fed (y_pred, y_true).
+_PREDICTION_FIRST = ("kl_estimate",)
 
 
 def as_float32(tensors):
@@ -205,10 +209,17 @@ class _OpPenalty(_Penalty):
             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is inspect.Parameter.empty
         ]
         self.takes_labels = len(required) == 2
+        self._tensors_needed = len(required)
         # Per-sample values to weigh: a Loss of them. A batch statistic
-        # (`kl_sparsity`, `orthogonality`, …) has no sample to weigh, and
-        # reduction="none" is no scalar (an error where it is computed).
-        has_samples = "reduction" in inspect.signature(fn).parameters and options.get("reduction") != "none"
+        # (`kl_sparsity`, `orthogonality`, …) has no sample to weigh,
+        # reduction="none" is no scalar (an error where it is computed), and
+        # a sequence reduction is the op's own.
+        has_samples = "reduction" in inspect.signature(fn).parameters and options.get("reduction") in (
+            None,
+            "mean",
+            "sum",
+            "sum_over_batch_size",
+        )
         self._loss = _OpLoss(self) if has_samples else None
 
     def __call__(self, *tensors):
@@ -216,6 +227,17 @@ class _OpPenalty(_Penalty):
             *tensors, mask = tensors
             return self.fn(*tensors, **{**self.options, "mask": mask})
         return self.fn(*tensors, **self.options)
+
+    def loss_tensors(self, y_true, y_pred):
+        if self._tensors_needed > 2:
+            raise ValueError(
+                f"{self.fn.__name__} takes {self._tensors_needed} tensors; a CompositeLoss term gets "
+                "(y_true, y_pred). Use it in a CompositeObjective with `inputs=(...)`, or in a "
+                "model's `compute_loss`."
+            )
+        if self.fn.__name__ in _PREDICTION_FIRST:
+            return (y_pred, y_true)
+        return super().loss_tensors(y_true, y_pred)
 
     def loss_value(self, name, y_true, y_pred, sample_weight):
         if self._loss is None:

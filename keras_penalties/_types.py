@@ -22,6 +22,9 @@ TensorLike: TypeAlias = Any
 DType: TypeAlias = Any
 
 Reduction: TypeAlias = Literal["sum", "mean", "none"]
+# The token-level ops of fine-tuning (cross_entropy, entropy, kl_estimate,
+# policy_loss) also average over sequences of [batch, tokens] values.
+TokenReduction: TypeAlias = Literal["sum", "mean", "none", "sequence_mean", "sequence_sum"]
 # l1, l2 and elastic_net also take Keras' activity-regularizer scale.
 MagnitudeReduction: TypeAlias = Literal["sum", "mean", "none", "sum_over_batch_size"]
 # What `keras.losses.Loss(reduction=...)` accepts.
@@ -32,6 +35,8 @@ OrthogonalityMode: TypeAlias = Literal["soft", "hard", "spectral"]
 OrthogonalityAxis: TypeAlias = Literal["columns", "rows"]
 EntropyMode: TypeAlias = Literal["penalty", "bonus"]
 Divergence: TypeAlias = Literal["kl", "js"]
+Estimator: TypeAlias = Literal["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"]
+PolicyLoss: TypeAlias = Literal["reinforce", "importance_sampling", "ppo", "cispo"]
 Weighting: TypeAlias = Optional[Literal["uncertainty", "famo"]]
 Center: TypeAlias = Union[float, Literal["mean"], None]
 ChunkSize: TypeAlias = Union[int, Literal["auto"], None]
@@ -45,11 +50,13 @@ PenaltyName: TypeAlias = Literal[
     "gaussian_kl",
     "js_divergence",
     "kl_divergence",
+    "kl_estimate",
     "kl_sparsity",
     "l1",
     "l2",
     "orthogonality",
     "output_magnitude",
+    "policy_loss",
 ]
 # A term's penalty: an ops function's name, or a callable of tensors (an ops
 # function, a Regularizer, a Loss, any function returning a scalar).

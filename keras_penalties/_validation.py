@@ -11,7 +11,7 @@ from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast, get_args
 
 import numpy as np
 
-from keras_penalties._types import MagnitudeReduction, Reduction
+from keras_penalties._types import MagnitudeReduction, Reduction, TokenReduction
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -97,6 +97,7 @@ positive = _number_where(lambda v: v > 0, "> 0")
 non_negative = _number_where(lambda v: v >= 0, ">= 0")
 closed_unit = _number_where(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 open_unit = _number_where(lambda v: 0.0 < v < 1.0, "in the open interval (0, 1)")
+above_one = _number_where(lambda v: v > 1.0, "> 1")
 
 
 def boolean(name, value):
@@ -139,6 +140,19 @@ REDUCTIONS = get_args(Reduction)
 # regularizer scale: the sum over all elements divided by the batch size.
 MAGNITUDE_REDUCTIONS = get_args(MagnitudeReduction)
 REDUCTION = choice(*REDUCTIONS)
+TOKEN_REDUCTION = choice(*get_args(TokenReduction))
+SEQUENCE_REDUCTIONS = ("sequence_mean", "sequence_sum")
+
+
+def check_sequence_rank(reduction, rank, what="the per-token values"):
+    """A sequence reduction needs [batch, tokens] values."""
+    if reduction in SEQUENCE_REDUCTIONS and rank != 2:
+        raise ValueError(
+            f"`reduction={reduction!r}` averages over sequences: {what} must be [batch, tokens] (rank 2); "
+            f"got rank {rank}."
+        )
+
+
 MAGNITUDE_REDUCTION = choice(*MAGNITUDE_REDUCTIONS)
 
 

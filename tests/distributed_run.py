@@ -207,7 +207,8 @@ def train_token_objective():
     on one replica than on the other: an entropy over the kept positions
     (whole, and in chunks of 2 rows), and a cross-entropy from the hidden
     states through the head (fused, chunks of 4; masked, and over every
-    position). Each is the mean over the global batch, not the replicas'
+    position), and a GRPO loss from the hidden states over sequences and
+    tokens. Each is the mean over the global batch, not the replicas'
     means' mean (SPEC §11); a layer before the objective adds an activity
     loss, which the objective's cross-replica sums must leave its
     replica's."""
@@ -232,8 +233,19 @@ def train_token_objective():
 
         return Term(cross_entropy, 0.1, inputs=("hidden", "labels", "mask"))
 
+    def grpo(hidden, labels, mask):
+        # SPEC §12 from hidden states: per-token log-probabilities in chunks,
+        # a PPO loss over sequences and a k3 KL to a reference over tokens.
+        logprobs = P.token_logprobs(labels, P.linear(hidden, head.kernel, head.bias), mask=mask, chunk_size=4)
+        frozen = keras.ops.stop_gradient(logprobs)
+        advantages = keras.ops.cast(labels[:, 0] % 3, "float32") - 1.0
+        reference = frozen - 0.3 * keras.ops.cast(labels % 2, "float32")
+        loss = P.policy_loss(logprobs, frozen - 0.1, advantages, mask=mask, reduction="sequence_mean")
+        return loss + 0.5 * P.kl_estimate(logprobs, reference, mask=mask)
+
     objective = CompositeObjective(
         {
+            "grpo": Term(grpo, 0.1, inputs=("hidden", "labels", "mask")),
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
             "ent_chunked": Term(
                 "entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}

@@ -44,6 +44,11 @@ names, and importing fails if one is defined by neither):
   for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
   `autograd.Function`), so nothing is recomputed and no chunk's temporaries
   outlive it.
+- `chunked_values(fn, rows, shared, chunk_size, dtype)`: the per-row
+  values fn(chunk of `rows`, `shared`)[r] over chunks of `chunk_size`
+  rows, with no gradient formed in the forward pass: the upstream gradient
+  (one number a row) is known only in the backward pass, which forms each
+  chunk again as `chunked_sum` with it as the weights.
 - `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax
   of its inputs (`ops._numerics.sharing`; torch only: XLA and TF's graph
   optimizer merge repeated ones).
@@ -120,6 +125,7 @@ _NAMES = (
     "traced_outside_scope",
     "map_chunks",
     "chunked_sum",
+    "chunked_values",
     "SHARES_SOFTMAX",
     "CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",

@@ -352,6 +352,58 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     return run(weights, *flat)
 
 
+def chunked_values(fn, rows, heads, chunk_size, dtype):
+    """fn(logits, rows) for every row, `chunk_size` rows at a time, with no
+    gradient formed in the forward pass (a `map_fn`, one chunk at a time):
+    the upstream gradient holds one number a row, known only in the
+    backward pass, which forms each chunk's logits again as `chunked_sum`
+    with it as the weights, under a tape of its own."""
+    rows = [tf.convert_to_tensor(r) for r in rows]
+    transposed = [head[3] for head in heads]
+    parts = [[None if p is None else tf.convert_to_tensor(p) for p in head[:3]] for head in heads]
+    flat = rows + [p for head in parts for p in head if p is not None]
+
+    def unflatten(tensors):
+        rest = iter(tensors[len(rows) :])
+        return list(tensors[: len(rows)]), [
+            [None if p is None else next(rest) for p in head] + [t] for head, t in zip(parts, transposed)
+        ]
+
+    def cast(x):
+        return x if x is None or not x.dtype.is_floating else tf.cast(x, dtype)
+
+    @tf.custom_gradient
+    def run(*tensors):
+        row_values, head_values = unflatten([tf.stop_gradient(t) for t in tensors])
+
+        def chunked(x):
+            return tf.reshape(x, tf.concat([[-1, chunk_size], tf.shape(x)[1:]], 0))
+
+        def chunk(xs):
+            chunk_rows, hidden = xs
+            logits = [
+                project(cast(h), cast(k), t) if b is None else project(cast(h), cast(k), t) + cast(b)
+                for h, (_, k, b, t) in zip(hidden, head_values)
+            ]
+            with _chunk_body():
+                return fn(logits, [cast(r) for r in chunk_rows])
+
+        elements = ([chunked(r) for r in row_values], [chunked(h[0]) for h in head_values])
+        values = tf.map_fn(chunk, elements, fn_output_signature=dtype, parallel_iterations=1)
+
+        def gradient(upstream):
+            floats = [t for t in tensors if t.dtype.is_floating]
+            with tf.GradientTape() as tape:
+                tape.watch(floats)
+                total = chunked_sum(fn, *unflatten(tensors), tf.cast(upstream, dtype), chunk_size, dtype)
+            found = iter(tape.gradient(total, floats))
+            return [next(found) if t.dtype.is_floating else None for t in tensors]
+
+        return tf.reshape(values, [-1]), gradient
+
+    return run(*flat)
+
+
 def _which(wanted, part):
     """The heads whose `part` (0 hidden, 1 kernel, 2 bias) needs a gradient."""
     return [j for j, parts in enumerate(wanted) if parts[part]]

@@ -6,6 +6,7 @@ import torch
 from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
 from keras_penalties.backend._common import TINY, norm, smallest_normal
+from keras_penalties.backend._torch_heads import chunked_sum, chunked_values, project  # noqa: F401  (the backend's contract)
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms
 # share those of its inputs (num.sharing). A term's own autograd.grad or
@@ -110,106 +111,6 @@ def map_chunks(fn, chunks, dtype):
     (`retain_graph=True`) computes each chunk again. First order only."""
     dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
     return _MapChunks.apply(fn, dtype, *chunks)
-
-
-def project(rows, kernel, transpose_kernel):
-    """`rows @ kernel`, or `rows @ kernelᵀ` through a transposed view (no
-    copy: the BLAS call reads it transposed)."""
-    return rows @ (kernel.T if transpose_kernel else kernel)
-
-
-class _ChunkedSum(torch.autograd.Function):
-    """See `chunked_sum`. Inputs: fn, chunk_size, dtype, `layout` (the number
-    of rows, then each head's (transpose_kernel, has_bias)), the weights,
-    then the rows and each head's hidden, kernel and bias tensors."""
-
-    @staticmethod
-    def forward(ctx, fn, chunk_size, dtype, layout, weights, *tensors):
-        n_rows, head_layout = layout
-        needs = ctx.needs_input_grad[5:]
-        rows = tensors[:n_rows]
-        heads, position = [], n_rows
-        for transpose, has_bias in head_layout:
-            count = 3 if has_bias else 2
-            heads.append((list(tensors[position : position + count]) + [None] * (3 - count), position))
-            position += count
-
-        def cast(x):
-            return x.detach().to(dtype) if x.is_floating_point() else x.detach()
-
-        row_wanted = [i for i in range(n_rows) if needs[i] and rows[i].is_floating_point()]
-        wanted = [[p is not None and needs[at + k] for k, p in enumerate(head)] for head, at in heads]
-        params = [(cast(head[1]), None if head[2] is None else cast(head[2])) for head, _ in heads]
-        row_grads = {i: torch.empty_like(rows[i]) for i in row_wanted}
-        hidden_grads = {j: torch.empty_like(heads[j][0][0]) for j in range(len(heads)) if wanted[j][0]}
-        # The kernel's gradient is summed in place (addmm_): no [H, V]
-        # product per chunk, unlike autograd's own accumulation.
-        kernel_grads = {j: torch.zeros_like(params[j][0]) for j in range(len(heads)) if wanted[j][1]}
-        bias_grads = {j: torch.zeros_like(params[j][1]) for j in range(len(heads)) if wanted[j][2]}
-        total = torch.zeros((), dtype=dtype, device=weights.device)
-        for start in range(0, weights.shape[0], chunk_size):
-            stop = start + chunk_size
-            chunk_rows = [cast(r[start:stop]) for r in rows]
-            hidden = [cast(head[0][start:stop]) for head, _ in heads]
-            with torch.no_grad():
-                logits = [
-                    project(h, k, t) if b is None else torch.addmm(b, h, k.T if t else k)
-                    for h, (k, b), (t, _) in zip(hidden, params, head_layout)
-                ]
-            watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
-            watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
-            with torch.enable_grad():
-                value = torch.sum(weights[start:stop] * fn(logits, chunk_rows))
-                connected = watched and value.requires_grad
-                grads = torch.autograd.grad(value, watched, allow_unused=True) if connected else [None] * len(watched)
-            grads = iter(torch.zeros_like(w) if g is None else g for w, g in zip(watched, grads))
-            dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
-            for i in row_wanted:
-                row_grads[i][start:stop] = next(grads)
-            for j, buffer in hidden_grads.items():
-                buffer[start:stop] = project(dlogits[j], params[j][0], not head_layout[j][0])
-            for j, acc in kernel_grads.items():
-                if head_layout[j][0]:
-                    acc.addmm_(dlogits[j].T, hidden[j])
-                else:
-                    acc.addmm_(hidden[j].T, dlogits[j])
-            for j, acc in bias_grads.items():
-                acc.add_(dlogits[j].sum(0))
-            total = total + value.detach()
-        kept = [(i, g) for i, g in row_grads.items()]
-        for j, (head, at) in enumerate(heads):
-            for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
-                if j in grads_of:
-                    kept.append((at + k, grads_of[j]))
-        ctx.kept = [k for k, _ in kept]
-        ctx.dtypes = [t.dtype for t in tensors]
-        ctx.compute = dtype
-        ctx.save_for_backward(*[g for _, g in kept])
-        return total
-
-    @staticmethod
-    def backward(ctx, upstream):
-        grads = [None] * len(ctx.dtypes)
-        for k, g in zip(ctx.kept, ctx.saved_tensors):
-            grads[k] = (g.to(ctx.compute) * upstream).to(ctx.dtypes[k])
-        return (None, None, None, None, None, *grads)
-
-
-def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
-    the gradient formed in the forward pass: an `autograd.Function` whose
-    loop forms each chunk's logits, takes the gradient of its weighted sum
-    w.r.t. them and the float rows, and turns the logits' gradient into
-    the hidden rows' (into one buffer) and the kernel's and bias's (summed
-    in place), for the inputs autograd needs (`needs_input_grad`: a frozen
-    teacher costs one forward product per chunk); the backward pass only
-    scales them by the upstream scalar. Nothing is recomputed. First order
-    only."""
-    rows = list(rows)
-    layout = (len(rows), tuple((bool(head[3]), head[2] is not None) for head in heads))
-    flat = rows + [p for head in heads for p in head[:3] if p is not None]
-    dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
-    return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
 
 
 def as_tensor(x):

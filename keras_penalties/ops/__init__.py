@@ -19,7 +19,7 @@ from keras_penalties.ops.divergences import (
     kl_sparsity as kl_sparsity,
 )
 from keras_penalties.ops._tokens import LinearLogits as LinearLogits
-from keras_penalties.ops.heads import cross_entropy as cross_entropy, linear as linear
+from keras_penalties.ops.heads import cross_entropy as cross_entropy, linear as linear, token_logprobs as token_logprobs
 from keras_penalties.ops.magnitude import (
     elastic_net as elastic_net,
     l1 as l1,
@@ -27,9 +27,10 @@ from keras_penalties.ops.magnitude import (
     output_magnitude as output_magnitude,
 )
 from keras_penalties.ops.orthogonality import orthogonality as orthogonality
+from keras_penalties.ops.policy import kl_estimate as kl_estimate, policy_loss as policy_loss
 
 # The functions a `Term` may name: each returns a scalar penalty (not
 # `linear`, which describes logits for them).
 PENALTIES = get_args(PenaltyName)
 
-__all__ = ["LinearLogits", "linear", *PENALTIES]
+__all__ = ["LinearLogits", "linear", "token_logprobs", *PENALTIES]

@@ -127,7 +127,11 @@ def sample_mask(mask, x, axis, name="mask", boolean=True):
 
 def masked_reduce(values, mask, reduction):
     """`reduce` over the kept samples only: masked ones are 0 in the value and
-    the gradient, and `"mean"` divides by the number kept (0 when none is)."""
+    the gradient, and `"mean"` divides by the number kept (0 when none is).
+    The sequence reductions of [batch, tokens] values: see
+    `sequence_reduce`."""
+    if reduction in ("sequence_mean", "sequence_sum"):
+        return sequence_reduce(values, mask, reduction)
     if mask is None:
         return reduce(values, reduction)
     values = ops.where(mask, values, ops.zeros_like(values))
@@ -135,3 +139,22 @@ def masked_reduce(values, mask, reduction):
         return reduce(values, reduction)
     total = ops.sum(values)
     return total / kept_divisor(ops.sum(ops.cast(mask, total.dtype)))
+
+
+def sequence_reduce(values, mask, reduction):
+    """[batch, tokens] values reduced over sequences: each sequence's sum over
+    its kept tokens (`"sequence_sum"`), or that over their number
+    (`"sequence_mean"`), averaged over the sequences that keep at least one
+    token (0 when none does; masked tokens are 0 in the value and the
+    gradient). Within `global_token_means`, over the whole batch's such
+    sequences."""
+    if mask is None:
+        mask = ops.ones(ops.shape(values), "bool")
+    kept = ops.cast(mask, values.dtype)
+    values = ops.where(mask, values, ops.zeros_like(values))
+    tokens = ops.sum(kept, axis=1)
+    per_sequence = ops.sum(values, axis=1)
+    if reduction == "sequence_mean":
+        per_sequence = per_sequence / ops.maximum(tokens, 1.0)
+    sequences = ops.sum(ops.cast(tokens > 0, values.dtype))
+    return ops.sum(per_sequence) / ops.cast(kept_divisor(sequences), values.dtype)

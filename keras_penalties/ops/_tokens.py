@@ -87,7 +87,7 @@ def token_level(
     """
     lazy = [isinstance(t, LinearLogits) for t in tensors]
     if any(lazy):
-        _check_lazy(names, lazy, from_logits, reduction, chunk_size)
+        _check_lazy(names, lazy, from_logits)
     tensors = [t if is_lazy else backend.as_tensor(t) for t, is_lazy in zip(tensors, lazy)]
     parts = [p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])]
     compute, dtype = dtypes.dtype_pair(parts)
@@ -96,6 +96,7 @@ def token_level(
     check.check_rank(names[0], tensors[0], 1, num.DISTRIBUTION_AXIS)
     rank = len(tensors[0].shape)
     axis = check.check_axis("axis", axis, rank)
+    check.check_sequence_rank(reduction, rank - 1, "the values (every axis but `axis`)")
     if any(lazy) and axis != rank - 1:
         raise ValueError(
             f"`axis` must be the last axis (-1) when an input is ops.linear(...): its classes are "
@@ -107,8 +108,11 @@ def token_level(
     if labels is not None:
         labels = _labels(labels, tensors[0], axis, mask, weights)
     if any(lazy) and chunk_size is not None:
-        total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
-        return dtypes.from_compute(total, dtype)
+        if reduction in ("mean", "sum"):
+            total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
+            return dtypes.from_compute(total, dtype)
+        values = _fused_values(values_fn, tensors, labels, chunk_size, compute)
+        return dtypes.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
     tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
     values = chunks.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
     if weights is not None:
@@ -116,17 +120,10 @@ def token_level(
     return dtypes.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
 
 
-def _check_lazy(names, lazy, from_logits, reduction, chunk_size):
+def _check_lazy(names, lazy, from_logits):
     name = names[lazy.index(True)]
     if not from_logits:
         raise ValueError(f"`{name}` is ops.linear(...) logits: pass `from_logits=True`.")
-    if reduction == "none" and chunk_size is not None:
-        raise ValueError(
-            "`reduction='none'` with ops.linear(...) logits and `chunk_size`: each position's "
-            "gradient w.r.t. the kernel would need that position's upstream gradient, that is the "
-            "whole [positions, classes] logits gradient the chunks exist to avoid. Use 'mean' or "
-            "'sum' (a mask selects positions), or chunk_size=None to form the logits."
-        )
 
 
 def _labels(labels, like, axis, mask, weights=None):
@@ -163,10 +160,13 @@ def _row_weights(mask, weights, reduction, n, compute):
     return weights
 
 
-def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute):
-    """The reduced total with lazy logits formed one chunk at a time: each
-    `LinearLogits` is a head (its hidden states as rows [positions, H], its
-    kernel and bias); formed logits and labels are plain rows."""
+def _fused_parts(values_fn, tensors, labels, chunk_size):
+    """What a chunk loop over lazy logits takes: each `LinearLogits` as a
+    head (its hidden states as rows [positions, H], its kernel and bias),
+    formed logits and labels as plain rows, padded to whole chunks (zero
+    hidden states give the bias as logits, zero logits and label 0 are as
+    finite); the function of a chunk's logits and rows; the number of
+    positions; the rows per chunk."""
     rows, heads, sources = [], [], []
     for t in tensors:
         if isinstance(t, LinearLogits):
@@ -186,11 +186,26 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
     n = ops.shape((heads[0][0] if heads else rows[0]))[0]
     classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
     chunk_size = chunks.chunk_rows(chunk_size, classes, n, heads=True)
-    weights = _row_weights(mask, weights, reduction, n, compute)
-    # Padding rows weigh 0: zero hidden states give the bias as logits, zero
-    # logits and label 0 are as finite, and none adds to the total.
     rows = [chunks.padded_rows(r, n, chunk_size, 0) for r in rows]
     for head in heads:
         head[0] = chunks.padded_rows(head[0], n, chunk_size, 0)
-    weights = chunks.padded_rows(weights, n, chunk_size, 0)
+    return values, rows, heads, n, chunk_size
+
+
+def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute):
+    """The reduced total (`"mean"`, `"sum"`) with lazy logits formed one
+    chunk at a time, each chunk's gradient formed with its value."""
+    values, rows, heads, n, chunk_size = _fused_parts(values_fn, tensors, labels, chunk_size)
+    # Padding rows weigh 0: none adds to the total.
+    weights = chunks.padded_rows(_row_weights(mask, weights, reduction, n, compute), n, chunk_size, 0)
     return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
+
+
+def _fused_values(values_fn, tensors, labels, chunk_size, compute):
+    """The per-position values with lazy logits formed one chunk at a time,
+    forward and again in the backward pass (`backend.chunked_values`), in
+    the positions' shape."""
+    values, rows, heads, n, chunk_size = _fused_parts(values_fn, tensors, labels, chunk_size)
+    flat = backend.chunked_values(values, rows, heads, chunk_size, compute)
+    like = tensors[0].hidden if isinstance(tensors[0], LinearLogits) else tensors[0]
+    return ops.reshape(chunks.unpadded_rows(flat, n, chunk_size), tuple(ops.shape(like)[:-1]))

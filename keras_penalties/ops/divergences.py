@@ -23,7 +23,7 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike
+from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
@@ -197,7 +197,9 @@ def js_divergence(
     return token_level(values, (p, q), ("p", "q"), axis, reduction, mask, chunk_size, from_logits=from_logits)
 
 
-@check.options(normalize=check.boolean, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(
+    normalize=check.boolean, **{**_DISTRIBUTION_OPTIONS, "reduction": check.TOKEN_REDUCTION}, **_TOKEN_OPTIONS
+)
 def entropy(
     x: TensorLike | LinearLogits,
     *,
@@ -205,7 +207,7 @@ def entropy(
     normalize: bool = False,
     temperature: float = 1.0,
     axis: int = -1,
-    reduction: Reduction = "mean",
+    reduction: TokenReduction = "mean",
     mask: TensorLike | None = None,
     chunk_size: ChunkSize = None,
 ) -> Tensor:
@@ -220,7 +222,8 @@ def entropy(
         temperature: T > 0 (see module doc).
         axis: the distribution axis.
         reduction: `"mean"` (default), `"sum"` or `"none"` over the remaining
-            axes.
+            axes, or over the sequences of [batch, tokens] values
+            `"sequence_mean"` / `"sequence_sum"` (see `kl_estimate`).
         mask: None, or the per-sample positions that count (as in
             `kl_divergence`).
         chunk_size: None, or rows per chunk (as in `kl_divergence`).

@@ -15,7 +15,7 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import ChunkSize, Reduction, Tensor, TensorLike
+from keras_penalties._types import ChunkSize, Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
@@ -96,7 +96,7 @@ def linear(
     label_smoothing=check.closed_unit,
     temperature=check.positive,
     axis=check.integer,
-    reduction=check.REDUCTION,
+    reduction=check.TOKEN_REDUCTION,
     chunk_size=check.chunk_size,
 )
 def cross_entropy(
@@ -108,7 +108,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     temperature: float = 1.0,
     axis: int = -1,
-    reduction: Reduction = "mean",
+    reduction: TokenReduction = "mean",
     chunk_size: ChunkSize = None,
 ) -> Tensor:
     """Cross-entropy of integer labels: −log p(label) along `axis`, in nats.
@@ -135,8 +135,12 @@ def cross_entropy(
         label_smoothing: ε in [0, 1].
         temperature: T > 0 dividing the logits.
         axis: the class axis.
-        reduction: `"mean"` (default), `"sum"` or `"none"`.
-        chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`).
+        reduction: `"mean"` (default), `"sum"`, `"none"`, or over the
+            sequences of [batch, tokens] labels `"sequence_mean"` /
+            `"sequence_sum"` (see `kl_estimate`).
+        chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`);
+            with `ops.linear(...)` logits every reduction forms no
+            [positions, classes] array, forward or backward.
 
     Example:
 
@@ -154,6 +158,47 @@ def cross_entropy(
     return token_level(
         values, (logits,), ("logits",), axis, reduction, mask, chunk_size, from_logits=from_logits, labels=labels
     )
+
+
+@check.options(temperature=check.positive, chunk_size=check.chunk_size)
+def token_logprobs(
+    labels: TensorLike,
+    logits: TensorLike | LinearLogits,
+    *,
+    temperature: float = 1.0,
+    mask: TensorLike | None = None,
+    chunk_size: ChunkSize = None,
+) -> Tensor:
+    """log p(label) at each position: the sampled tokens' log-probabilities.
+
+    The shape of `labels` (TRL's `selective_log_softmax`), equal to
+    −`cross_entropy(labels, logits, reduction="none")`. With
+    `ops.linear(...)` logits and `chunk_size`, no [tokens, vocab] logits are
+    formed, forward or backward, and the gradient reaches `hidden`,
+    `kernel` and `bias` (each chunk's logits are formed again in the
+    backward pass). What `kl_estimate` and `policy_loss` take.
+
+    Args:
+        labels: integer token ids, the logits' shape without the class
+            axis (e.g. [batch, tokens]).
+        logits: logits [..., V] or `ops.linear(...)`.
+        temperature: T > 0 dividing the logits (a sampler's temperature).
+        mask: None, or the positions that count: the others are 0 and carry
+            no gradient (their labels are not read).
+        chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`).
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> logits = [[math.log(3.0), 0.0]]  # p = [¾, ¼]
+    >>> [round(float(v), 6) for v in P.token_logprobs([1], logits)]  # ln ¼
+    [-1.386294]
+    """
+    values = cross_entropy(
+        labels, logits, from_logits=True, temperature=temperature, mask=mask, reduction="none", chunk_size=chunk_size
+    )
+    return ops.negative(values)
 
 
 def _cross_entropy_values(

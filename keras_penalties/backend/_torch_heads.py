@@ -1,0 +1,178 @@
+"""Torch's heads: logits formed from hidden states a chunk at a time
+(`chunked_sum`, `chunked_values`) and the product they are made of. Used by
+`backend/torch.py` only."""
+
+import keras
+import torch
+
+
+def project(rows, kernel, transpose_kernel):
+    """`rows @ kernel`, or `rows @ kernelᵀ` through a transposed view (no
+    copy: the BLAS call reads it transposed)."""
+    return rows @ (kernel.T if transpose_kernel else kernel)
+
+
+class _ChunkedSum(torch.autograd.Function):
+    """See `chunked_sum`. Inputs: fn, chunk_size, dtype, `layout` (the number
+    of rows, then each head's (transpose_kernel, has_bias)), the weights,
+    then the rows and each head's hidden, kernel and bias tensors."""
+
+    @staticmethod
+    def forward(ctx, fn, chunk_size, dtype, layout, weights, *tensors):
+        n_rows, head_layout = layout
+        needs = ctx.needs_input_grad[5:]
+        rows = tensors[:n_rows]
+        heads, position = [], n_rows
+        for transpose, has_bias in head_layout:
+            count = 3 if has_bias else 2
+            heads.append((list(tensors[position : position + count]) + [None] * (3 - count), position))
+            position += count
+
+        def cast(x):
+            return x.detach().to(dtype) if x.is_floating_point() else x.detach()
+
+        row_wanted = [i for i in range(n_rows) if needs[i] and rows[i].is_floating_point()]
+        wanted = [[p is not None and needs[at + k] for k, p in enumerate(head)] for head, at in heads]
+        params = [(cast(head[1]), None if head[2] is None else cast(head[2])) for head, _ in heads]
+        row_grads = {i: torch.empty_like(rows[i]) for i in row_wanted}
+        hidden_grads = {j: torch.empty_like(heads[j][0][0]) for j in range(len(heads)) if wanted[j][0]}
+        # The kernel's gradient is summed in place (addmm_): no [H, V]
+        # product per chunk, unlike autograd's own accumulation.
+        kernel_grads = {j: torch.zeros_like(params[j][0]) for j in range(len(heads)) if wanted[j][1]}
+        bias_grads = {j: torch.zeros_like(params[j][1]) for j in range(len(heads)) if wanted[j][2]}
+        total = torch.zeros((), dtype=dtype, device=weights.device)
+        for start in range(0, weights.shape[0], chunk_size):
+            stop = start + chunk_size
+            chunk_rows = [cast(r[start:stop]) for r in rows]
+            hidden = [cast(head[0][start:stop]) for head, _ in heads]
+            with torch.no_grad():
+                logits = [
+                    project(h, k, t) if b is None else torch.addmm(b, h, k.T if t else k)
+                    for h, (k, b), (t, _) in zip(hidden, params, head_layout)
+                ]
+            watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
+            watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
+            with torch.enable_grad():
+                value = torch.sum(weights[start:stop] * fn(logits, chunk_rows))
+                connected = watched and value.requires_grad
+                grads = torch.autograd.grad(value, watched, allow_unused=True) if connected else [None] * len(watched)
+            grads = iter(torch.zeros_like(w) if g is None else g for w, g in zip(watched, grads))
+            dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
+            for i in row_wanted:
+                row_grads[i][start:stop] = next(grads)
+            for j, buffer in hidden_grads.items():
+                buffer[start:stop] = project(dlogits[j], params[j][0], not head_layout[j][0])
+            for j, acc in kernel_grads.items():
+                if head_layout[j][0]:
+                    acc.addmm_(dlogits[j].T, hidden[j])
+                else:
+                    acc.addmm_(hidden[j].T, dlogits[j])
+            for j, acc in bias_grads.items():
+                acc.add_(dlogits[j].sum(0))
+            total = total + value.detach()
+        kept = [(i, g) for i, g in row_grads.items()]
+        for j, (head, at) in enumerate(heads):
+            for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
+                if j in grads_of:
+                    kept.append((at + k, grads_of[j]))
+        ctx.kept = [k for k, _ in kept]
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.compute = dtype
+        ctx.save_for_backward(*[g for _, g in kept])
+        return total
+
+    @staticmethod
+    def backward(ctx, upstream):
+        grads = [None] * len(ctx.dtypes)
+        for k, g in zip(ctx.kept, ctx.saved_tensors):
+            grads[k] = (g.to(ctx.compute) * upstream).to(ctx.dtypes[k])
+        return (None, None, None, None, None, *grads)
+
+
+def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
+    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
+    the gradient formed in the forward pass: an `autograd.Function` whose
+    loop forms each chunk's logits, takes the gradient of its weighted sum
+    w.r.t. them and the float rows, and turns the logits' gradient into
+    the hidden rows' (into one buffer) and the kernel's and bias's (summed
+    in place), for the inputs autograd needs (`needs_input_grad`: a frozen
+    teacher costs one forward product per chunk); the backward pass only
+    scales them by the upstream scalar. Nothing is recomputed. First order
+    only."""
+    rows = list(rows)
+    layout = (len(rows), tuple((bool(head[3]), head[2] is not None) for head in heads))
+    flat = rows + [p for head in heads for p in head[:3] if p is not None]
+    dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
+    return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
+
+
+def _unflattened(layout, tensors):
+    """`(rows, heads)` of a flat input list: `layout` is the number of rows,
+    then each head's (transpose_kernel, has_bias); a head is [hidden,
+    kernel, bias or None, transpose_kernel]."""
+    n_rows, head_layout = layout
+    heads, position = [], n_rows
+    for transpose, has_bias in head_layout:
+        count = 3 if has_bias else 2
+        heads.append(list(tensors[position : position + count]) + [None] * (3 - count) + [transpose])
+        position += count
+    return list(tensors[:n_rows]), heads
+
+
+class _ChunkedValues(torch.autograd.Function):
+    """See `chunked_values`. Inputs: fn, chunk_size, dtype, `layout` (as
+    `_ChunkedSum`'s), then the rows and each head's tensors."""
+
+    @staticmethod
+    def forward(ctx, fn, chunk_size, dtype, layout, *tensors):
+        rows, heads = _unflattened(layout, tensors)
+
+        def cast(x):
+            return x.detach().to(dtype) if x is not None and x.is_floating_point() else x
+
+        params = [(cast(k), cast(b), t) for _, k, b, t in heads]
+        n = (heads[0][0] if heads else rows[0]).shape[0]
+        values = torch.empty((n,), dtype=dtype, device=tensors[0].device)
+        with torch.no_grad():
+            for start in range(0, n, chunk_size):
+                stop = start + chunk_size
+                logits = [
+                    project(cast(h[0][start:stop]), k, t)
+                    if b is None
+                    else torch.addmm(b, cast(h[0][start:stop]), k.T if t else k)
+                    for h, (k, b, t) in zip(heads, params)
+                ]
+                values[start:stop] = fn(logits, [cast(r[start:stop]) for r in rows])
+        ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout = fn, chunk_size, dtype, layout
+        ctx.save_for_backward(*tensors)
+        return values
+
+    @staticmethod
+    def backward(ctx, upstream):
+        needs = ctx.needs_input_grad[4:]
+        inputs = [
+            t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)
+        ]
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = [None] * len(inputs)
+        if wanted:
+            with torch.enable_grad():
+                weights = upstream.detach().to(ctx.dtype)
+                total = _ChunkedSum.apply(ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout, weights, *inputs)
+                found = iter(torch.autograd.grad(total, wanted))
+            grads = [next(found) if t.requires_grad else None for t in inputs]
+        return (None, None, None, None, *grads)
+
+
+def chunked_values(fn, rows, heads, chunk_size, dtype):
+    """fn(logits, rows) for every row, `chunk_size` rows at a time, with no
+    gradient formed in the forward pass: the upstream gradient holds one
+    number a row, known only in the backward pass, which forms each chunk's
+    logits again through `_ChunkedSum` with it as the weights (an
+    `autograd.Function` that keeps its inputs, not their chunks: a second
+    backward pass computes the chunks again)."""
+    rows = list(rows)
+    layout = (len(rows), tuple((bool(head[3]), head[2] is not None) for head in heads))
+    flat = rows + [p for head in heads for p in head[:3] if p is not None]
+    dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
+    return _ChunkedValues.apply(fn, chunk_size, dtype, layout, *flat)

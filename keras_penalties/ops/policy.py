@@ -1,0 +1,221 @@
+"""Fine-tuning against a reference from sampled tokens' log-probabilities:
+KL estimators and policy-gradient losses (PPO, GRPO, DAPO, CISPO).
+
+Notation per sampled token: d = logprobs − ref_logprobs,
+r = exp(logprobs − old_logprobs), sg = stop-gradient. Inputs are per-token
+log-probabilities (`token_logprobs`, or arrays from a trainer elsewhere) of
+any shape; computed in float32 (float64 stays float64) and returned in the
+input's dtype. `mask` selects the tokens that count, and `reduction` is
+`"mean"` (over the kept tokens), `"sum"`, `"none"`, or over the sequences of
+[batch, tokens] values `"sequence_mean"` / `"sequence_sum"`.
+"""
+
+from typing import get_args
+
+from keras import ops
+
+from keras_penalties import _validation as check
+from keras_penalties import backend
+from keras_penalties._types import Estimator, PolicyLoss, Tensor, TensorLike, TokenReduction
+from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _reductions as reductions
+
+ESTIMATORS = get_args(Estimator)
+POLICY_LOSSES = get_args(PolicyLoss)
+# The log-ratio's clamp before its exponential (verl's, TRL's): e^20 ≈ 4.9e8.
+_LOG_RATIO_LIMIT = 20.0
+
+
+def _pair(name, value):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise ValueError(f"`{name}` must be a pair of numbers; got {value!r}.")
+    return tuple(check.number(name, v) for v in value)
+
+
+def _estimate_clip(name, value):
+    """None, or (low, high) with low < high."""
+    if value is None:
+        return None
+    low, high = _pair(name, value)
+    if not low < high:
+        raise ValueError(f"`{name}` must be (low, high) with low < high; got {value!r}.")
+    return low, high
+
+
+def _ratio_clip(name, value):
+    """(ε_low, ε_high) with 0 ≤ ε_low < 1 and ε_high ≥ 0."""
+    low, high = _pair(name, value)
+    if not (0.0 <= low < 1.0 and high >= 0.0):
+        raise ValueError(f"`{name}` must be (ε_low, ε_high) with 0 <= ε_low < 1 and ε_high >= 0; got {value!r}.")
+    return low, high
+
+
+_dual_clip = check.optional(check.above_one)
+
+
+def _token_values(mask, like, reduction):
+    """`mask` as a bool tensor of `like`'s shape (None stays None), after the
+    sequence reductions' rank check."""
+    check.check_sequence_rank(reduction, len(like.shape), "`logprobs`")
+    return reductions.sample_mask(mask, like, None)
+
+
+@check.options(estimator=check.choice(*ESTIMATORS), reduction=check.TOKEN_REDUCTION, clip=_estimate_clip)
+def kl_estimate(
+    logprobs: TensorLike,
+    ref_logprobs: TensorLike,
+    *,
+    estimator: Estimator = "k3",
+    mask: TensorLike | None = None,
+    reduction: TokenReduction = "mean",
+    clip: tuple[float, float] | None = None,
+) -> Tensor:
+    """A per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probabilities.
+
+    With d = logprobs − ref_logprobs: `"k1"` d; `"abs"` |d|; `"k2"` ½d²;
+    `"k3"` exp(−d) − 1 + d, computed as expm1(−d) + d (≥ 0: the
+    low-variance estimator of GRPO). `"k1+"`, `"abs+"`, `"k2+"`, `"k3+"`
+    are straight-through: the named estimator's value with k2's gradient
+    (k2 − sg(k2) + sg(named)), whose expectation is the gradient of
+    KL(π‖π_ref). k1 and k3 are unbiased: Σ_x π(x)·k(x) = KL(π‖π_ref).
+    Finite, value and gradient, for |d| ≤ 80 under float32 and bfloat16.
+
+    Args:
+        logprobs: log π of each sampled token (differentiated).
+        ref_logprobs: log π_ref of the same tokens, the same shape (a
+            constant: no gradient reaches it).
+        estimator: one of the above.
+        mask: None, or the tokens that count (logprobs' shape).
+        reduction: `"mean"` (over the kept tokens), `"sum"`, `"none"`,
+            `"sequence_mean"` (the mean over the sequences that keep a token
+            of each one's kept-token mean) or `"sequence_sum"` (of each
+            one's kept-token sum); the last two on [batch, tokens].
+        clip: None, or (low, high): the estimate clamped to it, with a zero
+            gradient outside (verl's `low_var_kl` is `"k3"` with
+            `clip=(-10, 10)`; its "+" forms clamp only the value).
+
+    Returns:
+        The reduced estimate, in logprobs' dtype.
+
+    Raises:
+        ValueError: an unknown `estimator` or `reduction`, `clip` not
+            (low, high) with low < high, shapes that differ, or a sequence
+            reduction on a rank other than 2.
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> round(float(P.kl_estimate([0.0], [math.log(0.5)], estimator="k3")), 6)  # ½ − 1 + ln 2
+    0.193147
+    """
+    logprobs, ref_logprobs = backend.as_tensor(logprobs), backend.as_tensor(ref_logprobs)
+    check.check_same_shape(("logprobs", "ref_logprobs"), logprobs, ref_logprobs)
+    mask = _token_values(mask, logprobs, reduction)
+    compute, dtype = dtypes.dtype_pair([logprobs])
+    d = dtypes.cast_to(logprobs, compute) - ops.stop_gradient(ops.cast(ref_logprobs, compute))
+    kind = estimator.rstrip("+")
+    if kind == "k1":
+        value = d
+    elif kind == "abs":
+        value = ops.abs(d)
+    elif kind == "k2":
+        value = 0.5 * ops.square(d)
+    else:
+        value = ops.expm1(-d) + d
+    if estimator.endswith("+"):
+        k2 = 0.5 * ops.square(d)
+        value = k2 - ops.stop_gradient(k2) + ops.stop_gradient(value)
+    if clip is not None:
+        value = ops.clip(value, clip[0], clip[1])
+    return dtypes.from_compute(reductions.masked_reduce(value, mask, reduction), dtype)
+
+
+@check.options(
+    kind=check.choice(*POLICY_LOSSES), clip=_ratio_clip, dual_clip=_dual_clip, reduction=check.TOKEN_REDUCTION
+)
+def policy_loss(
+    logprobs: TensorLike,
+    old_logprobs: TensorLike | None,
+    advantages: TensorLike,
+    *,
+    kind: PolicyLoss = "ppo",
+    clip: tuple[float, float] = (0.2, 0.2),
+    dual_clip: float | None = None,
+    mask: TensorLike | None = None,
+    reduction: TokenReduction = "mean",
+) -> Tensor:
+    """The per-token policy-gradient surrogate loss, to minimise.
+
+    With r = exp(clamp(logprobs − old_logprobs, ±20)) and A the advantages:
+    `"reinforce"` −A·logprobs; `"importance_sampling"` −r·A; `"ppo"`
+    max(−r·A, −clip(r, 1 − ε_low, 1 + ε_high)·A), and with `dual_clip` c
+    where A < 0 at most −c·A; `"cispo"` −sg(min(r, 1 + ε_high))·A·logprobs.
+
+    Args:
+        logprobs: log π of each sampled token under the policy being
+            trained (differentiated).
+        old_logprobs: log π_old of the same tokens, the policy that sampled
+            them, the same shape (a constant); None for `"reinforce"`.
+        advantages: per sequence ([batch], broadcast over its tokens) or per
+            token (logprobs' shape); a constant.
+        kind: one of the above.
+        clip: (ε_low, ε_high), 0 ≤ ε_low < 1, ε_high ≥ 0: PPO's ratio clip
+            (asymmetric as DAPO's clip-higher), CISPO's ε_high.
+        dual_clip: None, or c > 1 (PPO's dual clip, as verl's).
+        mask: None, or the tokens that count (logprobs' shape).
+        reduction: as `kl_estimate`'s: `"mean"` over the kept tokens
+            (DAPO's token mean), `"sequence_mean"` (GRPO's), …
+
+    Returns:
+        The reduced loss, in logprobs' dtype.
+
+    Raises:
+        ValueError: an unknown `kind` or `reduction`, `clip` or `dual_clip`
+            out of range, `old_logprobs` None for a ratio, shapes that
+            differ, `advantages` neither [batch] nor logprobs' shape, or a
+            sequence reduction on a rank other than 2.
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> # r = 1.5 > 1.2 with A = 1: PPO's clipped term, −1.2·A
+    >>> round(float(P.policy_loss([0.405465], [0.0], [1.0])), 4)
+    -1.2
+    """
+    logprobs = backend.as_tensor(logprobs)
+    if old_logprobs is None:
+        if kind != "reinforce":
+            raise ValueError(f"`old_logprobs` is needed for kind={kind!r} (its ratio r); only 'reinforce' takes None.")
+    else:
+        old_logprobs = backend.as_tensor(old_logprobs)
+        check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
+    advantages = backend.as_tensor(advantages)
+    per_sequence = len(advantages.shape) == 1 and len(logprobs.shape) > 1
+    expected = (logprobs.shape[0],) if per_sequence else tuple(logprobs.shape)
+    if reductions.shapes_differ(tuple(advantages.shape), expected):
+        raise ValueError(
+            f"`advantages` must be per sequence ({logprobs.shape[0]},) or per token {tuple(logprobs.shape)}; "
+            f"got {tuple(advantages.shape)}."
+        )
+    mask = _token_values(mask, logprobs, reduction)
+    compute, dtype = dtypes.dtype_pair([logprobs])
+    logprobs = dtypes.cast_to(logprobs, compute)
+    a = ops.stop_gradient(ops.cast(advantages, compute))
+    if per_sequence:
+        a = ops.reshape(a, (-1,) + (1,) * (len(logprobs.shape) - 1))
+    if kind == "reinforce":
+        loss = -a * logprobs
+    else:
+        log_ratio = logprobs - ops.stop_gradient(ops.cast(old_logprobs, compute))
+        ratio = ops.exp(ops.clip(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        low, high = clip
+        if kind == "importance_sampling":
+            loss = -ratio * a
+        elif kind == "ppo":
+            loss = ops.maximum(-ratio * a, -ops.clip(ratio, 1.0 - low, 1.0 + high) * a)
+            if dual_clip is not None:
+                loss = ops.where(a < 0, ops.minimum(loss, -dual_clip * a), loss)
+        else:
+            loss = -ops.stop_gradient(ops.minimum(ratio, 1.0 + high)) * a * logprobs
+    return dtypes.from_compute(reductions.masked_reduce(loss, mask, reduction), dtype)
