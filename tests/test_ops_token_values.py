@@ -11,11 +11,14 @@ second backward pass on torch; run-time shapes under each backend's
 compiler; empty and fully masked inputs.
 """
 
+import keras
 import numpy as np
 import pytest
 from keras import ops
 
+from keras_penalties import CompositeObjective, Term
 from keras_penalties import ops as P
+from keras_penalties.callbacks import PenaltyMonitor
 from tests import oracles as O
 from tests import rl_oracles as RL
 from tests.testing import BACKEND, assert_finite, central_difference, compiled, float64_scope, grads, to_numpy
@@ -229,3 +232,76 @@ def test_torch_takes_several_backward_passes_over_one_forward_pass():
     )[0]
     np.testing.assert_allclose(to_numpy(first), fresh, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(to_numpy(second), 3.0 * fresh, rtol=1e-5, atol=1e-6)
+
+
+class _TokenLogprobs(keras.layers.Layer):
+    """The sampled tokens' log-probabilities from hidden states through the
+    model's head, in chunks (`chunk_size`) or from formed logits (None)."""
+
+    def __init__(self, head, chunk_size, **kwargs):
+        super().__init__(**kwargs)
+        self.head, self.chunk_size = head, chunk_size
+
+    def call(self, hidden, labels, mask):
+        return P.token_logprobs(labels, P.linear(hidden, self.head.kernel), mask=mask, chunk_size=self.chunk_size)
+
+
+def _grpo_model(chunk_size):
+    """A GRPO step in fit: the policy loss over sequences, β·k3 to a
+    reference over tokens and an entropy bonus from the hidden states, as
+    terms of an objective; the model's loss is the objective's alone."""
+    keras.utils.set_random_seed(11)
+    tokens, labels = keras.Input((T,), dtype="int32"), keras.Input((T,), dtype="int32")
+    mask, advantages, reference = keras.Input((T,)), keras.Input(()), keras.Input((T,))
+    hidden = keras.layers.Dense(H, activation="tanh")(keras.layers.Embedding(V, H)(tokens))
+    head = keras.layers.Dense(V, use_bias=False)
+    head.build((None, H))
+    logprobs = _TokenLogprobs(head, chunk_size)(hidden, labels, mask)
+
+    def bonus(hidden, mask):  # −H: minimising it raises the entropy
+        return -P.entropy(P.linear(hidden, head.kernel), from_logits=True, mask=mask, chunk_size=chunk_size)
+
+    objective = CompositeObjective(
+        {
+            "pg": Term(
+                "policy_loss",
+                inputs=("logprobs", "old", "advantages"),
+                options={"mask": "mask", "reduction": "sequence_mean"},
+            ),
+            "kl": Term("kl_estimate", 0.1, inputs=("logprobs", "reference"), options={"mask": "mask"}),
+            "bonus": Term(bonus, 0.01, inputs=("hidden", "mask")),
+        },
+        name="grpo",
+    )
+    old = keras.ops.stop_gradient(logprobs)
+    inputs = {"logprobs": logprobs, "old": old, "advantages": advantages, "reference": reference}
+    out = objective({**inputs, "hidden": hidden, "mask": mask})["logprobs"]
+    model = keras.Model([tokens, labels, mask, advantages, reference], out)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"], indirect=True)
+def test_a_grpo_step_in_fit_from_hidden_states(policy):
+    # Batches of 4, 4 and 2 (rows known only at run time under TF's trace):
+    # chunked as formed whole, each term logged.
+    rng = np.random.default_rng(5)
+    n = 10
+    data = [
+        rng.integers(0, V, size=(n, T)),
+        rng.integers(0, V, size=(n, T)),
+        (rng.uniform(size=(n, T)) < 0.7).astype("float32"),
+        rng.normal(size=(n,)).astype("float32"),
+        -rng.uniform(1.0, 4.0, size=(n, T)).astype("float32"),
+    ]
+    histories = {}
+    for chunk_size in (None, 3):
+        model = _grpo_model(chunk_size)
+        monitor = PenaltyMonitor(probe_data=[d[:4] for d in data], every_n_batches=1)
+        histories[chunk_size] = model.fit(
+            data, epochs=2, batch_size=4, shuffle=False, verbose=0, callbacks=[monitor]
+        ).history
+    tolerance = 1e-4 if policy == "float32" else 2e-2
+    for key in ("loss", "grpo/pg", "grpo/kl", "grpo/bonus", "grpo/kl/grad_norm"):
+        assert np.isfinite(histories[3][key]).all(), key
+        np.testing.assert_allclose(histories[3][key], histories[None][key], rtol=tolerance, err_msg=key)
