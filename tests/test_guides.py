@@ -1,6 +1,7 @@
 """Every guide runs top to bottom on the current backend, at a small size."""
 
 import pathlib
+import re
 import runpy
 
 import pytest
@@ -12,4 +13,10 @@ GUIDES = sorted((pathlib.Path(__file__).parent.parent / "guides").glob("*.py"))
 def test_guide_runs(path, monkeypatch, capsys):
     monkeypatch.setenv("GUIDE_ROUNDS", "2")
     runpy.run_path(str(path), run_name="__main__")
-    assert capsys.readouterr().out.strip()
+    out = capsys.readouterr().out.strip()
+    assert out
+    rewards = re.search(r"mean reward: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
+    if path.name == "rl_fine_tuning.py" and "needs keras-hub" not in out:
+        # 20 GRPO steps: the reward rises from about ¼ (the seeds fix the samples).
+        first, last = map(float, rewards.groups())
+        assert last > first + 0.3, out
