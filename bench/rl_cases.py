@@ -1,0 +1,121 @@
+"""RL fine-tuning cases (SPEC §12): each sampled token's log-probability from
+hidden states at 2048 tokens, H = 256, V = 128256, against the logits formed
+first (our chunked call on them) and against the obvious peer (a
+log-softmax of the formed logits, then a gather, as TRL's
+`selective_log_softmax` writes it); and a GRPO loss step (PPO-clipped policy
+loss + β·k3 to reference log-probabilities) fused against the same written
+the obvious way. Value + gradients w.r.t. the hidden states and the kernel,
+float32."""
+
+import os
+
+import numpy as np
+from keras import ops
+
+from bench import native
+from bench.case import Case
+from keras_penalties import ops as P
+
+SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
+# Rows per chunk: the backend's "auto" budget, as the head rows (HEAD_CHUNK).
+CHUNK = int(os.environ["HEAD_CHUNK"]) if os.environ.get("HEAD_CHUNK") else "auto"
+BETA, CLIP = 0.04, (0.2, 0.28)
+
+
+def _inputs(small):
+    """weights (a per-token advantage, 0 on the 25 % of tokens masked), the
+    sampled tokens, the sampling policy's and the reference's
+    log-probabilities, then the differentiated hidden states and kernel."""
+    tokens, hidden, vocab = (64, 16, 1000) if small else SHAPE
+    rng = np.random.default_rng(0)
+    kept = rng.uniform(size=tokens) >= 0.25
+
+    def tensor(x, dtype="float32"):
+        return ops.convert_to_tensor(np.asarray(x, dtype))
+
+    return [
+        tensor(kept * rng.standard_normal(tokens)),
+        tensor(rng.integers(0, vocab, size=tokens), "int32"),
+        tensor(-rng.uniform(8.0, 14.0, size=tokens)),
+        tensor(-rng.uniform(8.0, 14.0, size=tokens)),
+        tensor(rng.standard_normal((tokens, hidden))),
+        tensor(hidden**-0.5 * rng.standard_normal((hidden, vocab))),
+    ]
+
+
+def _selective_log_softmax(labels, logits):
+    """log softmax(logits)[label]: the backend's log-softmax over the formed
+    logits, then a gather (TRL's `selective_log_softmax`)."""
+    if native.BACKEND == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=-1)[:, 0]
+    if native.BACKEND == "torch":
+        import torch
+
+        return torch.log_softmax(logits, -1).gather(-1, labels.long()[:, None]).squeeze(-1)
+    import tensorflow as tf
+
+    return tf.gather(tf.nn.log_softmax(logits), labels, batch_dims=1)
+
+
+def _weighted(values, weights):
+    return ops.sum(values * weights)
+
+
+_LOGPROBS = {
+    # fused: from hidden states; ours on the logits formed first; the peer on them
+    "fused": lambda w, y, old, ref, h, k: _weighted(P.token_logprobs(y, P.linear(h, k), chunk_size=CHUNK), w),
+    "formed": lambda w, y, old, ref, h, k: _weighted(P.token_logprobs(y, native.matmul(h, k), chunk_size=CHUNK), w),
+    "peer": lambda w, y, old, ref, h, k: _weighted(_selective_log_softmax(y, native.matmul(h, k)), w),
+}
+
+
+def _grpo_fused(w, y, old, ref, h, k):
+    mask = ops.not_equal(w, 0.0)
+    logprobs = P.token_logprobs(y, P.linear(h, k), mask=mask, chunk_size=CHUNK)
+    loss = P.policy_loss(logprobs, old, w, clip=CLIP, mask=mask)
+    return loss + BETA * P.kl_estimate(logprobs, ref, mask=mask)
+
+
+def _grpo_obvious(w, y, old, ref, h, k):
+    """The same loss as TRL's GRPO writes it: formed logits, a log-softmax and
+    a gather, the clipped ratio and exp(ref − logp) − (ref − logp) − 1."""
+    mask = ops.cast(ops.not_equal(w, 0.0), "float32")
+    logprobs = _selective_log_softmax(y, native.matmul(h, k))
+    ratio = ops.exp(logprobs - old)
+    clipped = ops.clip(ratio, 1.0 - CLIP[0], 1.0 + CLIP[1])
+    policy = -ops.minimum(ratio * w, clipped * w)
+    kl = ops.exp(ref - logprobs) - (ref - logprobs) - 1.0
+    return ops.sum((policy + BETA * kl) * mask) / ops.maximum(ops.sum(mask), 1.0)
+
+
+def _pair(ours_fn, reference_fn):
+    def build(small):
+        args = _inputs(small)
+        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(reference_fn, 2)
+        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
+
+    return build
+
+
+NAME = "token_logprobs value+grad from hidden states [2048×256 → 128256], chunked"
+_PEER = "log-softmax of the formed logits + gather (as TRL writes it)"
+
+RL_CASES = [
+    Case(
+        NAME + " vs logits formed first",
+        "our chunked call on the logits",
+        "time ≤ 1.10",
+        _pair(_LOGPROBS["fused"], _LOGPROBS["formed"]),
+        1.10,
+    ),
+    Case(NAME, _PEER, "memory ≤ 0.10", _pair(_LOGPROBS["fused"], _LOGPROBS["peer"]), None, 0.10),
+    Case(
+        "GRPO loss step (PPO clip + β·k3) value+grad from hidden states [2048×256 → 128256], fused",
+        "the same written the obvious way (formed logits, log-softmax, gather)",
+        "reported",
+        _pair(_grpo_fused, _grpo_obvious),
+    ),
+]
