@@ -2,7 +2,8 @@
 documentation's performance page, docs/performance.md).
 
     python -m bench.summary          # print it
-    python -m bench.summary --page   # also put it in docs/performance.md
+    python -m bench.summary --page   # also put it in docs/performance.md, and
+                                     # draw docs/bench_ratios.png (bench/charts.py)
 
 The case list comes from bench.cases, which imports Keras: without a
 KERAS_BACKEND it runs on the first backend that has results (JAX's results
@@ -16,6 +17,7 @@ import sys
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
+CHART = PAGE.parent / "bench_ratios.png"
 MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -72,6 +74,13 @@ def main():
         page = PAGE.read_text()
         start, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
         PAGE.write_text(page[:start] + "\n" + text + "\n" + page[end:])
+        from bench import charts
+        from bench.cases import CASES
+
+        reports = {
+            b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BACKENDS if (RESULTS / f"{b}.json").exists()
+        }
+        charts.ratios(reports, CASES, CHART)
 
 
 if __name__ == "__main__":

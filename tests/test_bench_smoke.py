@@ -104,6 +104,20 @@ def test_the_summary_table_has_a_row_per_committed_case():
     assert [row.split(" | ")[0][2:] for row in rows] == [case.name for case in run.CASES]
 
 
+def test_the_ratio_chart_draws_every_measured_row(tmp_path):
+    import json
+
+    from bench import charts
+
+    reports = {b: json.loads((summary.RESULTS / f"{b}.json").read_text()) for b in summary.BACKENDS}
+    # A row one backend has not measured yet still has its line, from the others.
+    dropped = reports["torch"]["cases"].pop(0)["case"]
+    shown = charts.ratios(reports, run.CASES, tmp_path / "ratios.png")
+    assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    measured = {row["case"] for report in reports.values() for row in report["cases"] if "error" not in row}
+    assert shown == [case.name for case in run.CASES if case.name in measured] and dropped in shown
+
+
 def test_rows_shown_out_of_reach_name_a_backend_and_a_case():
     # The summary marks these ✗† (or not measured‡) and explains them; a renamed case must not
     # silently drop its explanation.
