@@ -4,6 +4,7 @@ documentation's performance page, docs/performance.md).
     python -m bench.summary          # print it
     python -m bench.summary --page   # also put it in docs/performance.md, and
                                      # draw docs/bench_ratios.png (bench/charts.py)
+                                     # and docs/bench_memory.png (bench/memory_sweep.py)
 
 The case list comes from bench.cases, which imports Keras: without a
 KERAS_BACKEND it runs on the first backend that has results (JAX's results
@@ -18,6 +19,7 @@ import sys
 RESULTS = pathlib.Path(__file__).parent / "results"
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
 CHART = PAGE.parent / "bench_ratios.png"
+MEMORY_CHART = PAGE.parent / "bench_memory.png"
 MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -81,6 +83,11 @@ def main():
             b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BACKENDS if (RESULTS / f"{b}.json").exists()
         }
         charts.ratios(reports, CASES, CHART)
+        sweeps = {b: RESULTS / f"memory_{b}.json" for b in BACKENDS if (RESULTS / f"memory_{b}.json").exists()}
+        if sweeps:
+            from bench import memory_sweep
+
+            memory_sweep.chart({b: json.loads(p.read_text()) for b, p in sweeps.items()}, MEMORY_CHART)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,19 @@ def test_the_ratio_chart_draws_every_measured_row(tmp_path):
     assert shown == [case.name for case in run.CASES if case.name in measured] and dropped in shown
 
 
+def test_the_memory_sweep_runs_and_draws_at_tiny_size(tmp_path):
+    from bench import memory_sweep
+
+    points = []
+    for path in memory_sweep.PATHS:
+        memory_sweep._work(path, 64, hidden=8, vocab=100)()  # each of the three ways runs
+        points.append({"tokens": 64, "path": path, "peak_bytes": 2**20})
+    points.append({"tokens": 128, "path": memory_sweep.PATHS[2], "error": "out of memory on this machine"})
+    report = {"backend": "jax", "hidden": 8, "vocab": 100, "points": points}
+    memory_sweep.chart({"jax": report, "torch": report}, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_rows_shown_out_of_reach_name_a_backend_and_a_case():
     # The summary marks these ✗† (or not measured‡) and explains them; a renamed case must not
     # silently drop its explanation.
