@@ -19,6 +19,9 @@ def main():
     hidden = rng.normal(size=(4, 3)).astype("float32")
     head = rng.normal(size=(3, 5)).astype("float32")  # a vocabulary projection [H, V]
     activations = keras.ops.convert_to_numpy(keras.ops.sigmoid(logits))
+    # Each sampled label's log-probability under the policy (logits) and a reference (teacher).
+    logprobs, ref_logprobs = P.token_logprobs(labels, logits), P.token_logprobs(labels, teacher)
+    advantages = rng.normal(size=(4,)).astype("float32")
     values = {
         "l1(logits)": P.l1(logits),
         "l2(logits)": P.l2(logits),
@@ -41,6 +44,8 @@ def main():
         "kl_sparsity(sigmoid(logits), 0.05)": P.kl_sparsity(activations),
         "gaussian_kl(logits, teacher)": P.gaussian_kl(logits, teacher),
         "cross_entropy(labels, logits)": P.cross_entropy(labels, logits),
+        "kl_estimate(logprobs, ref_logprobs, k3)": P.kl_estimate(logprobs, ref_logprobs),
+        "policy_loss(logprobs, ref_logprobs, advantages, ppo)": P.policy_loss(logprobs, ref_logprobs, advantages),
         # Logits never formed: hidden states and the head, two rows per chunk.
         "cross_entropy(labels, linear(hidden, head), chunks)": P.cross_entropy(
             labels, P.linear(hidden, head), chunk_size=2
