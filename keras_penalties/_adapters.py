@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from keras_penalties import _keras_internals, _replicas, backend
+from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _reductions as reductions
 
@@ -240,9 +241,26 @@ class _OpPenalty(_Penalty):
         return super().loss_tensors(y_true, y_pred)
 
     def loss_value(self, name, y_true, y_pred, sample_weight):
+        if self.options.get("reduction") in check.SEQUENCE_REDUCTIONS:
+            return self._sequence_value(name, y_true, y_pred, sample_weight)
         if self._loss is None:
             return super().loss_value(name, y_true, y_pred, sample_weight)
         return _weighed_like_a_loss(name, self._loss, y_true, y_pred, sample_weight)
+
+    def _sequence_value(self, name, y_true, y_pred, sample_weight):
+        """A sequence reduction in a CompositeLoss: the op reduces with the
+        Keras mask `y_pred` carries (read before any cast); sample weights
+        have no place in a mean over sequences."""
+        if sample_weight is not None:
+            raise ValueError(
+                f"Term {name!r}: reduction={self.options['reduction']!r} averages over sequences with the "
+                "mask alone; a CompositeLoss's sample_weight does not apply. Give the mask as the "
+                "predictions' Keras mask, or use reduction='mean' with sample weights."
+            )
+        mask = _keras_internals.keras_mask(y_pred)
+        tensors = self.loss_tensors(as_float32(y_true), as_float32(y_pred))
+        options = self.options if mask is None else {**self.options, "mask": mask}
+        return scalar(name, self.fn(*tensors, **options))
 
     def per_sample(self, *tensors):
         """One value per sample (per position for the divergences)."""

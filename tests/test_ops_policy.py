@@ -296,3 +296,36 @@ def test_as_terms_by_name_in_both_composites():
     three = CompositeLoss({"pg": "policy_loss"})
     with pytest.raises(ValueError, match=r"policy_loss takes 3 tensors; a CompositeLoss term gets \(y_true, y_pred\)"):
         three(f32(REF), f32(LOGP))
+
+
+def test_masked_tokens_may_hold_any_reference():
+    # A reference padded with -inf (or -1e30) where the mask drops tokens:
+    # those tokens count for nothing, value or gradient.
+    ref = f32(REF).copy()
+    ref[MASK == 0] = -np.inf
+    for estimator in ESTIMATORS:
+        for reduction in ("mean", "sequence_mean"):
+
+            def kl(x, estimator=estimator, reduction=reduction):
+                return P.kl_estimate(x, ref, estimator=estimator, mask=MASK, reduction=reduction)
+
+            expected = RL.verl_agg_loss(
+                RL.verl_kl_penalty(LOGP, np.where(MASK == 0, LOGP, REF), estimator),
+                MASK,
+                AGGREGATIONS[reduction],
+            )
+            np.testing.assert_allclose(to_numpy(kl(f32(LOGP))), expected, rtol=1e-5, err_msg=estimator)
+            g = grad(kl, f32(LOGP))
+            assert_finite(g, estimator)
+            assert not g[MASK == 0].any()
+
+
+def test_a_sequence_reduction_in_a_composite_loss():
+    from keras_penalties import Term
+    from keras_penalties.losses import CompositeLoss
+
+    loss = CompositeLoss({"kl": Term("kl_estimate", options={"reduction": "sequence_sum"})})
+    expected = RL.verl_agg_loss(RL.verl_kl_penalty(LOGP, REF, "k3"), np.ones_like(LOGP), "seq-mean-token-sum")
+    np.testing.assert_allclose(to_numpy(loss(f32(REF), f32(LOGP))), expected, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"Term 'kl': reduction='sequence_sum' averages over sequences"):
+        loss(f32(REF), f32(LOGP), sample_weight=np.ones(B, "float32"))

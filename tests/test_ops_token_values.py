@@ -330,3 +330,22 @@ def test_no_tokens_by_vocabulary_array_forward_or_backward():
     whole = tokens * vocab * 4  # one [tokens, vocab] float32 array: 32 MB
     assert temporaries(None) >= whole  # the check can fail: formed logits are such an array
     assert temporaries(chunk) < whole / 4
+
+
+def test_two_calls_that_differentiate_different_inputs():
+    # One call differentiates the hidden states (its kernel a constant), the
+    # other the kernel (its hidden states a constant), in one compiled
+    # gradient: each backward pass takes its own call's inputs.
+    def total(hidden, kernel, fused):
+        def logits(h, k):
+            return P.linear(h, k) if fused else ops.matmul(h, k)
+
+        chunk = 4 if fused else None
+        first = P.token_logprobs(LABELS, logits(hidden, KERNEL), chunk_size=chunk, mask=MASK)
+        second = P.token_logprobs(LABELS, logits(TEACHER_HIDDEN, kernel), chunk_size=chunk)
+        return ops.sum(first * ops.convert_to_tensor(UPSTREAM)) + ops.sum(second)
+
+    got = grads(compiled(lambda h, k: total(h, k, True)), HIDDEN, KERNEL)
+    expected = grads(lambda h, k: total(h, k, False), HIDDEN, KERNEL)
+    for wrt, g, e in zip(("hidden", "kernel"), got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)

@@ -44,9 +44,10 @@ names, and importing fails if one is defined by neither):
   for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
   `autograd.Function`), so nothing is recomputed and no chunk's temporaries
   outlive it.
-- `chunked_values(fn, rows, shared, chunk_size, dtype)`: the per-row
-  values fn(chunk of `rows`, `shared`)[r] over chunks of `chunk_size`
-  rows, with no gradient formed in the forward pass: the upstream gradient
+- `chunked_values(fn, rows, heads, chunk_size, dtype)`: the per-row
+  values fn(logits, rows)[r] over chunks of `chunk_size` rows (the heads'
+  logits formed a chunk at a time, as in `chunked_sum`), with no gradient
+  formed in the forward pass: the upstream gradient
   (one number a row) is known only in the backward pass, which forms each
   chunk again as `chunked_sum` with it as the weights.
 - `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax

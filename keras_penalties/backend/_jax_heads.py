@@ -275,7 +275,6 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     `DataParallel`, each device maps its own rows)."""
     rows = list(rows)
     transposed = [head[3] for head in heads]
-    perturbed = []  # set by the forward rule, read by the backward rule
 
     def full(heads):
         return [list(head) + [t] for head, t in zip(heads, transposed)]
@@ -284,27 +283,30 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     def values(rows, heads):
         return _mapped_values(fn, rows, full(heads), chunk_size, dtype)
 
+    def split(x, wanted):
+        """The residuals: the differentiated inputs, and the others, each in
+        its own tree with None for the other's (a static pattern the
+        backward rule reads, per call)."""
+        return (x.value if wanted else None), (None if wanted else x.value)
+
     def forward(rows, heads):
-        perturbed.append(([r.perturbed for r in rows], [[p is not None and p.perturbed for p in h] for h in heads]))
+        row_pairs = [split(r, r.perturbed) for r in rows]
+        head_pairs = [[(None, None) if p is None else split(p, p.perturbed) for p in h] for h in heads]
+        wanted = ([w for w, _ in row_pairs], [[w for w, _ in h] for h in head_pairs])
+        fixed = ([c for _, c in row_pairs], [[c for _, c in h] for h in head_pairs])
         rows = [r.value for r in rows]
         heads = [[None if p is None else p.value for p in h] for h in heads]
-        return values(rows, heads), (rows, heads)
+        return values(rows, heads), (wanted, fixed)
 
     def backward(saved, upstream):
-        rows, heads = saved
-        row_wanted, head_wanted = perturbed[-1]
+        wanted, (fixed_rows, fixed_heads) = saved
 
         def total(wanted_rows, wanted_heads):
-            all_rows = [w if keep else r for r, w, keep in zip(rows, wanted_rows, row_wanted)]
-            all_heads = [
-                [w if keep else p for p, w, keep in zip(head, wanted, keeps)]
-                for head, wanted, keeps in zip(heads, wanted_heads, head_wanted)
-            ]
+            all_rows = [c if w is None else w for w, c in zip(wanted_rows, fixed_rows)]
+            all_heads = [[c if w is None else w for w, c in zip(ws, cs)] for ws, cs in zip(wanted_heads, fixed_heads)]
             return chunked_sum(fn, all_rows, full(all_heads), upstream.astype(dtype), chunk_size, dtype)
 
-        wanted_rows = [r if keep else None for r, keep in zip(rows, row_wanted)]
-        wanted_heads = [[p if keep else None for p, keep in zip(h, keeps)] for h, keeps in zip(heads, head_wanted)]
-        _, pullback = jax.vjp(total, wanted_rows, wanted_heads)
+        _, pullback = jax.vjp(total, *wanted)
         return pullback(jnp.ones((), dtype))
 
     values.defvjp(forward, backward, symbolic_zeros=True)

@@ -362,6 +362,9 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     transposed = [head[3] for head in heads]
     parts = [[None if p is None else tf.convert_to_tensor(p) for p in head[:3]] for head in heads]
     flat = rows + [p for head in parts for p in head if p is not None]
+    # The inputs a tape records (a frozen teacher's head is not): all float
+    # inputs where the graph is differentiated from outside (see `_traced_untaped`).
+    recorded = [t.dtype.is_floating and _recorded(t) for t in flat]
 
     def unflatten(tensors):
         rest = iter(tensors[len(rows) :])
@@ -392,12 +395,13 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         values = tf.map_fn(chunk, elements, fn_output_signature=dtype, parallel_iterations=1)
 
         def gradient(upstream):
-            floats = [t for t in tensors if t.dtype.is_floating]
+            wanted = recorded if any(recorded) or not _traced_untaped() else [t.dtype.is_floating for t in tensors]
+            watched = [t for t, w in zip(tensors, wanted) if w]
             with tf.GradientTape() as tape:
-                tape.watch(floats)
+                tape.watch(watched)
                 total = chunked_sum(fn, *unflatten(tensors), tf.cast(upstream, dtype), chunk_size, dtype)
-            found = iter(tape.gradient(total, floats))
-            return [next(found) if t.dtype.is_floating else None for t in tensors]
+            found = iter(tape.gradient(total, watched) if watched else [])
+            return [next(found) if w else None for w in wanted]
 
         return tf.reshape(values, [-1]), gradient
 

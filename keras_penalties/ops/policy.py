@@ -91,8 +91,9 @@ def kl_estimate(
             of each one's kept-token mean) or `"sequence_sum"` (of each
             one's kept-token sum); the last two on [batch, tokens].
         clip: None, or (low, high): the estimate clamped to it, with a zero
-            gradient outside (verl's `low_var_kl` is `"k3"` with
-            `clip=(-10, 10)`; its "+" forms clamp only the value).
+            gradient outside, "+" forms included (verl's `low_var_kl` is
+            `"k3"` with `clip=(-10, 10)`; its `low_var_kl+` clamps the value
+            and keeps k2's gradient).
 
     Returns:
         The reduced estimate, in logprobs' dtype.
@@ -114,6 +115,10 @@ def kl_estimate(
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
     d = dtypes.cast_to(logprobs, compute) - ops.stop_gradient(ops.cast(ref_logprobs, compute))
+    if mask is not None:
+        # A masked token's d may be anything (a reference padded with -inf):
+        # 0 there keeps its exponential, and so the gradient, finite.
+        d = ops.where(mask, d, ops.zeros_like(d))
     kind = estimator.rstrip("+")
     if kind == "k1":
         value = d
@@ -194,9 +199,9 @@ def policy_loss(
     per_sequence = len(advantages.shape) == 1 and len(logprobs.shape) > 1
     expected = (logprobs.shape[0],) if per_sequence else tuple(logprobs.shape)
     if reductions.shapes_differ(tuple(advantages.shape), expected):
+        sequences = f"per sequence ({logprobs.shape[0]},) or " if len(logprobs.shape) > 1 else ""
         raise ValueError(
-            f"`advantages` must be per sequence ({logprobs.shape[0]},) or per token {tuple(logprobs.shape)}; "
-            f"got {tuple(advantages.shape)}."
+            f"`advantages` must be {sequences}per token {tuple(logprobs.shape)}; got {tuple(advantages.shape)}."
         )
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
