@@ -12,6 +12,7 @@ from bench import native
 from bench.case import Case
 from bench.rl_cases import NAME as _RL_NAME
 from bench.rl_cases import RL_CASES
+from bench.roofline_cases import ROOFLINE_CASES
 from keras_penalties import CompositeObjective, Term
 from keras_penalties import losses as L
 from keras_penalties import ops as P
@@ -590,6 +591,7 @@ CASES = (
     + DIVERGENCE_CASES
     + LLM_CASES
     + HEAD_CASES
+    + ROOFLINE_CASES
     + RL_CASES
     + DISTILLER_CASES
     + NORM_CASES

@@ -1,0 +1,91 @@
+"""Roofline rows (issue 45): the fused heads from hidden states beside the
+matrix products they cannot avoid, timed in the same run.
+
+Cross-entropy from hidden states [2048, 256] through a [256, 128256] head,
+value + gradients w.r.t. the hidden states and the kernel, needs three
+products of that size: the logits, then the hidden states' and the kernel's
+gradients from the logits' gradient. KL to a frozen teacher's head needs a
+fourth, the teacher's logits. The reference side is exactly those products,
+the backend's own matmul (autodiff of Σ c·(h @ k) with a constant c of the
+logits' shape gives the two gradient products), so the ratio is the fused
+head's distance from what the hardware must do anyway.
+"""
+
+import numpy as np
+from keras import ops
+
+from bench import native
+from bench.case import Case
+from keras_penalties import ops as P
+
+SHAPE = (2048, 256, 128256)
+
+
+def _inputs(small):
+    """mask, labels, the teacher's hidden states and kernel, a constant of the
+    logits' shape (the products' stand-in for the logits' gradient), then
+    the differentiated hidden states and kernel."""
+    tokens, hidden, vocab = (64, 16, 1000) if small else SHAPE
+    rng = np.random.default_rng(0)
+
+    def normal(*shape, scale=1.0):
+        return ops.convert_to_tensor(scale * rng.standard_normal(size=shape, dtype=np.float32))
+
+    return [
+        ops.convert_to_tensor((rng.uniform(size=tokens) >= 0.25).astype("float32")),
+        ops.convert_to_tensor(rng.integers(0, vocab, size=tokens).astype("int32")),
+        normal(tokens, hidden),
+        normal(hidden, vocab, scale=hidden**-0.5),
+        normal(tokens, vocab, scale=1e-3),
+        normal(tokens, hidden),
+        normal(hidden, vocab, scale=hidden**-0.5),
+    ]
+
+
+def _fused_cross_entropy(m, y, ht, kt, c, h, k):
+    return P.cross_entropy(y, P.linear(h, k), mask=m, chunk_size="auto")
+
+
+def _fused_kl(m, y, ht, kt, c, h, k):
+    return P.kl_divergence(P.linear(ht, kt), P.linear(h, k), from_logits=True, mask=m, chunk_size="auto")
+
+
+def _products(teacher):
+    """The unavoidable products: h @ k, and through autodiff c @ kᵀ and
+    hᵀ @ c; with `teacher`, the teacher's logits too (summed into the
+    value, so that no compiler drops them)."""
+
+    def products(m, y, ht, kt, c, h, k):
+        value = ops.sum(native.matmul(h, k) * c)
+        return value + ops.sum(native.matmul(ht, kt)) * 1e-9 if teacher else value
+
+    return products
+
+
+def _pair(ours_fn, reference_fn):
+    def build(small):
+        args = _inputs(small)
+        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(reference_fn, 2)
+        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
+
+    return build
+
+
+_NAME = "roofline: masked {} value+grad from hidden states [2048×256 → 128256], chunked"
+
+ROOFLINE_CASES = [
+    Case(
+        _NAME.format("cross-entropy"),
+        "the 3 products it needs (the backend's matmul)",
+        "time ≤ 1.25",
+        _pair(_fused_cross_entropy, _products(teacher=False)),
+        1.25,
+    ),
+    Case(
+        _NAME.format("kl forward"),
+        "the 4 products it needs (the backend's matmul)",
+        "time ≤ 1.25",
+        _pair(_fused_kl, _products(teacher=True)),
+        1.25,
+    ),
+]
