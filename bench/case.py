@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from bench import native
+
 
 @dataclasses.dataclass
 class Case:
@@ -11,3 +13,16 @@ class Case:
     build: object  # build(small) -> dict(ours=, reference=, per=steps per call, bytes=)
     limit: float = None  # the ratio target, None when only reported
     memory_limit: float = None  # a peak-memory ratio target, if any
+
+
+def gradient_sides(inputs, ours_fn, reference_fn, count=2):
+    """A case's `build` whose two sides are the compiled value and gradients
+    w.r.t. the last `count` of `inputs(small)` of `ours_fn` and
+    `reference_fn`."""
+
+    def build(small):
+        args = inputs(small)
+        ours, reference = native.value_and_grads(ours_fn, count), native.value_and_grads(reference_fn, count)
+        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
+
+    return build

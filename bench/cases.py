@@ -9,7 +9,7 @@ import numpy as np
 from keras import ops
 
 from bench import native
-from bench.case import Case
+from bench.case import Case, gradient_sides
 from bench.rl_cases import NAME as _RL_NAME
 from bench.rl_cases import RL_CASES
 from bench.roofline_cases import ROOFLINE_CASES
@@ -178,15 +178,6 @@ def _head_inputs(small):
     ]
 
 
-def _head(ours_fn, ref_fn):
-    def build(small):
-        args = _head_inputs(small)
-        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(ref_fn, 2)
-        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
-
-    return build
-
-
 _HEAD_FUNCTIONS = {
     # name -> (fused: from hidden states, ours on logits formed first, the peer on them)
     "kl forward": (
@@ -216,11 +207,11 @@ HEAD_CASES = [
             _HEAD_NAME.format(name) + " vs logits formed first",
             "our chunked call on the logits",
             "time ≤ 1.10, memory ≤ 0.20",
-            _head(fused, materialised),
+            gradient_sides(_head_inputs, fused, materialised),
             1.10,
             0.20,
         ),
-        Case(_HEAD_NAME.format(name), _PEER, "memory ≤ 0.10", _head(fused, peer), None, 0.10),
+        Case(_HEAD_NAME.format(name), _PEER, "memory ≤ 0.10", gradient_sides(_head_inputs, fused, peer), None, 0.10),
     )
 ]
 

@@ -13,7 +13,7 @@ import numpy as np
 from keras import ops
 
 from bench import native
-from bench.case import Case
+from bench.case import Case, gradient_sides
 from keras_penalties import ops as P
 
 SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
@@ -91,15 +91,6 @@ def _grpo_obvious(w, y, old, ref, h, k):
     return ops.sum((policy + BETA * kl) * mask) / ops.maximum(ops.sum(mask), 1.0)
 
 
-def _pair(ours_fn, reference_fn):
-    def build(small):
-        args = _inputs(small)
-        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(reference_fn, 2)
-        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
-
-    return build
-
-
 NAME = "token_logprobs value+grad from hidden states [2048×256 → 128256], chunked"
 _PEER = "log-softmax of the formed logits + gather (as TRL writes it)"
 
@@ -108,14 +99,14 @@ RL_CASES = [
         NAME + " vs logits formed first",
         "our chunked call on the logits",
         "time ≤ 1.10",
-        _pair(_LOGPROBS["fused"], _LOGPROBS["formed"]),
+        gradient_sides(_inputs, _LOGPROBS["fused"], _LOGPROBS["formed"]),
         1.10,
     ),
-    Case(NAME, _PEER, "memory ≤ 0.10", _pair(_LOGPROBS["fused"], _LOGPROBS["peer"]), None, 0.10),
+    Case(NAME, _PEER, "memory ≤ 0.10", gradient_sides(_inputs, _LOGPROBS["fused"], _LOGPROBS["peer"]), None, 0.10),
     Case(
         "GRPO loss step (PPO clip + β·k3) value+grad from hidden states [2048×256 → 128256], fused",
         "the same written the obvious way (formed logits, log-softmax, gather)",
         "reported",
-        _pair(_grpo_fused, _grpo_obvious),
+        gradient_sides(_inputs, _grpo_fused, _grpo_obvious),
     ),
 ]

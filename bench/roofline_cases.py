@@ -15,7 +15,7 @@ import numpy as np
 from keras import ops
 
 from bench import native
-from bench.case import Case
+from bench.case import Case, gradient_sides
 from keras_penalties import ops as P
 
 SHAPE = (2048, 256, 128256)
@@ -62,15 +62,6 @@ def _products(teacher):
     return products
 
 
-def _pair(ours_fn, reference_fn):
-    def build(small):
-        args = _inputs(small)
-        ours, reference = native.value_and_grads(ours_fn, 2), native.value_and_grads(reference_fn, 2)
-        return {"ours": lambda: native.block(ours(*args)), "reference": lambda: native.block(reference(*args))}
-
-    return build
-
-
 _NAME = "roofline: masked {} value+grad from hidden states [2048×256 → 128256], chunked"
 
 ROOFLINE_CASES = [
@@ -78,14 +69,14 @@ ROOFLINE_CASES = [
         _NAME.format("cross-entropy"),
         "the 3 products it needs (the backend's matmul)",
         "time ≤ 1.25",
-        _pair(_fused_cross_entropy, _products(teacher=False)),
+        gradient_sides(_inputs, _fused_cross_entropy, _products(teacher=False)),
         1.25,
     ),
     Case(
         _NAME.format("kl forward"),
         "the 4 products it needs (the backend's matmul)",
         "time ≤ 1.25",
-        _pair(_fused_kl, _products(teacher=True)),
+        gradient_sides(_inputs, _fused_kl, _products(teacher=True)),
         1.25,
     ),
 ]

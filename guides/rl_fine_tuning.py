@@ -132,16 +132,24 @@ class TokenLogprobs(keras.layers.Layer):
         return P.token_logprobs(labels, logits, mask=mask, chunk_size=CHUNK)
 
 
-def rl_model(backbone):
+def token_inputs():
+    """The sampled sequences: tokens, padding, next-token labels, and the
+    mask of the completion's labels."""
     shape = (LENGTH - 1,)
-    inputs = {
+    return {
         "token_ids": keras.Input(shape, dtype="int32", name="token_ids"),
         "padding_mask": keras.Input(shape, dtype="int32", name="padding_mask"),
         "labels": keras.Input(shape, dtype="int32", name="labels"),
         "mask": keras.Input(shape, name="mask"),
+    }
+
+
+def rl_model(backbone):
+    inputs = {
+        **token_inputs(),
         "advantages": keras.Input((), name="advantages"),
-        "old_logprobs": keras.Input(shape, name="old_logprobs"),
-        "ref_logprobs": keras.Input(shape, name="ref_logprobs"),
+        "old_logprobs": keras.Input((LENGTH - 1,), name="old_logprobs"),
+        "ref_logprobs": keras.Input((LENGTH - 1,), name="ref_logprobs"),
     }
     hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
     logprobs = TokenLogprobs(backbone.token_embedding)(hidden, inputs["labels"], inputs["mask"])
@@ -172,13 +180,7 @@ def rl_model(backbone):
 def scorer(backbone):
     """The sampled tokens' log-probabilities under `backbone`, compiled once
     (`predict_on_batch`)."""
-    shape = (LENGTH - 1,)
-    inputs = {
-        "token_ids": keras.Input(shape, dtype="int32", name="token_ids"),
-        "padding_mask": keras.Input(shape, dtype="int32", name="padding_mask"),
-        "labels": keras.Input(shape, dtype="int32", name="labels"),
-        "mask": keras.Input(shape, name="mask"),
-    }
+    inputs = token_inputs()
     hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
     return keras.Model(inputs, TokenLogprobs(backbone.token_embedding)(hidden, inputs["labels"], inputs["mask"]))
 
