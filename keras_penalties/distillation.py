@@ -35,7 +35,12 @@ from keras_penalties._distiller_parts import (
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.ops.heads import weighted_cross_entropy_sum
+from keras_penalties.ops._tokens import fused_columns
+from keras_penalties.ops.divergences import _js_values, _kl_values
+from keras_penalties.ops.heads import _cross_entropy_values
+
+# The student loss of a fused step: Keras' sparse cross-entropy from logits.
+_PLAIN_CROSS_ENTROPY = dict(from_logits=True, label_smoothing=0.0, temperature=1.0, axis=-1)
 
 DIVERGENCES = get_args(Divergence)
 
@@ -144,6 +149,14 @@ class LogitsDivergence(keras.distillation.DistillationLoss):
         else:
             value = penalties.js_divergence(teacher_logits, student_logits, beta=self.beta, **options)
         return ops.cast(value, "float32")
+
+    def _position_values(self, teacher_logits: Tensor, student_logits: Tensor) -> Tensor:
+        """The unscaled divergence at each position (a chunk of formed
+        logits, in a fused Distiller's one loop)."""
+        options = dict(from_logits=True, temperature=self.temperature, axis=-1)
+        if self.divergence == "kl":
+            return _kl_values(teacher_logits, student_logits, direction=self.direction, **options)
+        return _js_values(teacher_logits, student_logits, beta=self.beta, **options)
 
     @property
     def scale(self) -> float:
@@ -324,28 +337,42 @@ class Distiller(keras.distillation.Distiller):
         own = sum(own) if own else 0.0
         student = self.head.logits(y_pred) if self._fused_step else y_pred  # type: ignore[union-attr]  # fused: a head
 
-        student_loss = ops.zeros((), "float32")
-        if self.student_loss_weight > 0.0 and y is not None:
-            student_loss = self._student_loss_value(y, student, sample_weight)
-
-        distillation = ops.zeros((), "float32")
+        teacher, features = None, {}
         if self.student_loss_weight < 1.0:
             teacher = self._teacher_outputs(x)
             features = self._layer_features(x, teacher, student)
-            for loss, weight, tracker in zip(
-                self.distillation_losses, self.distillation_loss_weights, self.loss_trackers
+        # A fused step sums the student loss and the heads' divergences in
+        # one chunk loop: `fused` holds their values (not differentiated),
+        # `total` their weighted sum (differentiated).
+        fused, total = self._fused_sums(y, teacher, student, sample_weight, features) if self._fused_step else ({}, 0.0)
+
+        student_loss = ops.zeros((), "float32")
+        if "student" in fused:
+            student_loss = fused["student"]
+        elif self.student_loss_weight > 0.0 and y is not None:
+            student_loss = self._student_loss_value(y, student, sample_weight)
+            total = total + self.student_loss_weight * student_loss
+
+        distillation = ops.zeros((), "float32")
+        if teacher is not None:
+            for i, (loss, weight, tracker) in enumerate(
+                zip(self.distillation_losses, self.distillation_loss_weights, self.loss_trackers)
             ):
-                t, s = features.get(loss, (teacher, student))
-                loss.validate_outputs(t, s)
-                value = ops.cast(_call_distillation_loss(loss, t, s, sample_weight, self.chunk_size), "float32")
-                if len(value.shape):
-                    raise ValueError(
-                        f"Distillation loss {type(loss).__name__} returned a non-scalar of shape {value.shape}."
-                    )
+                if i in fused:
+                    value = fused[i]
+                else:
+                    t, s = features.get(loss, (teacher, student))
+                    loss.validate_outputs(t, s)
+                    value = ops.cast(_call_distillation_loss(loss, t, s, sample_weight, self.chunk_size), "float32")
+                    if len(value.shape):
+                        raise ValueError(
+                            f"Distillation loss {type(loss).__name__} returned a non-scalar of shape {value.shape}."
+                        )
+                    total = total + (1.0 - self.student_loss_weight) * float(weight) * value
                 tracker.update_state(value)
                 distillation = distillation + float(weight) * value
 
-        total = self.student_loss_weight * student_loss + (1.0 - self.student_loss_weight) * distillation + own
+        total = total + own
         self.student_loss_tracker.update_state(student_loss)
         self.distillation_loss_tracker.update_state(distillation)
         self.total_loss_tracker.update_state(total)
@@ -382,13 +409,52 @@ class Distiller(keras.distillation.Distiller):
             return self.teacher_head.logits(self.teacher_head.hidden_model(x, training=False))
         return self.teacher(x, training=False)
 
+    def _fused_sums(self, y, teacher, student, sample_weight, features):
+        """The student loss (key "student") and each divergence of the
+        heads' logits (key: the loss's index) of a fused step, as
+        `({key: value}, Σ coefficient·value)`, from one chunk loop over the
+        logits (each chunk's formed once for all of them). A loss with
+        other inputs (layer features), its own chunk size or weight 0 is
+        left out (computed on its own)."""
+        keys, columns, weights = [], [], []
+        positions = ops.shape(student.hidden)[:-1]
+        labels = None
+        if self.student_loss_weight > 0.0 and y is not None:
+            w = ops.ones(positions) if sample_weight is None else sample_weight
+            w = ops.broadcast_to(ops.cast(w, "float32"), positions)
+            labels = ops.where(ops.not_equal(w, 0), ops.cast(y, "int32"), ops.zeros(positions, "int32"))
+            keys.append(("student", self.student_loss_weight))
+            columns.append(lambda t, s, labels: _cross_entropy_values(s, labels=labels, **_PLAIN_CROSS_ENTROPY))
+            weights.append(w / ops.cast(reductions.at_least_one(_positions(student)), "float32"))
+        if teacher is not None:
+            mask = _token_mask(sample_weight, student)
+            kept = ops.ones(positions) if mask is None else ops.cast(mask, "float32")
+            # The replicas' values average to the global mean over kept tokens.
+            divisor = ops.cast(
+                _replicas.global_divisor(_positions(student) if mask is None else ops.sum(kept)), "float32"
+            )
+            for i, (loss, weight) in enumerate(zip(self.distillation_losses, self.distillation_loss_weights)):
+                if loss in features or not weight or loss.chunk_size not in (None, self.chunk_size):
+                    continue
+                loss.validate_outputs(teacher, student)
+                keys.append((i, (1.0 - self.student_loss_weight) * float(weight)))
+                columns.append(lambda t, s, labels, loss=loss: loss._position_values(t, s))
+                weights.append(loss.scale * kept / divisor)
+        if not keys:
+            return {}, 0.0
+        tensors = [student] if teacher is None else [teacher, student]
+
+        def values(*logits, labels=None):
+            t, s = (None, *logits) if teacher is None else logits
+            return ops.stack([column(t, s, labels) for column in columns], axis=-1)
+
+        weighted = ops.stack([c * w for (_, c), w in zip(keys, weights)], axis=-1)
+        total, sums = fused_columns(values, tensors, labels, weighted, self.chunk_size)
+        return {key: sums[j] / c for j, (key, c) in enumerate(keys)}, total
+
     def _student_loss_value(self, y, student, sample_weight):
-        """The student loss on this replica, unscaled (as on one device)."""
-        if self._fused_step:
-            weights = ops.ones(ops.shape(student.hidden)[:-1]) if sample_weight is None else sample_weight
-            weights = ops.broadcast_to(ops.cast(weights, "float32"), ops.shape(student.hidden)[:-1])
-            total = weighted_cross_entropy_sum(y, student, weights, chunk_size=self.chunk_size)
-            return ops.cast(total, "float32") / ops.cast(reductions.at_least_one(_positions(student)), "float32")
+        """The student loss of an unfused step on this replica, unscaled (as
+        on one device); a fused step's is `_fused_sums`'."""
         if self.student_losses is None:
             raise ValueError("The Distiller must be compiled (its `loss` is the student loss) before computing a loss.")
         values = keras.tree.map_structure(

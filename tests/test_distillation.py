@@ -244,6 +244,15 @@ def test_total_is_student_loss_distillation_and_the_students_own_losses(head):
     np.testing.assert_allclose(to_numpy(total), expected["total_loss"], rtol=2e-5)
 
 
+def test_a_fused_step_reads_no_label_where_the_weight_is_zero():
+    # Padding labels such as -100 under a zero sample weight are never
+    # indexed (TF's fused op in a head chunk raises on them).
+    fused = _distiller(fused=True)
+    padded = np.where(WEIGHTS != 0, LABELS, -100)
+    total = fused.compute_loss(TOKENS, padded, fused(TOKENS, training=True), WEIGHTS, training=True)
+    np.testing.assert_allclose(to_numpy(total), _expected_total(_distiller())["total_loss"], rtol=2e-5)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_compute_loss_outside_fit_includes_the_students_own_losses(fused):
     # A custom loop calls compute_loss(x, y) with no y_pred: the student's
@@ -337,6 +346,36 @@ def test_fused_training_equals_unfused(head, teacher_head, jit_compile):
     for a, b in zip(results[True][1], results[False][1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
     assert unfused["loss"][-1] < unfused["loss"][0]
+
+
+def test_losses_outside_the_fused_loop_count_as_unfused():
+    # A fused step sums the student loss and the divergences in one chunk
+    # loop; a divergence with its own chunk size runs its own, and one of
+    # weight 0 is only logged. Every number is still the unfused one.
+    results = {}
+    for fused in (False, True):
+        teacher, student = _lm("teacher", seed=1), _lm("student", regularized=True, seed=2)
+        losses = [
+            LogitsDivergence(temperature=TEMPERATURE, name="kd"),
+            LogitsDivergence("js", beta=0.3, chunk_size=3),
+            LogitsDivergence(direction="reverse", name="reverse"),
+        ]
+        fuse = dict(head="head", teacher_head="head", chunk_size=7) if fused else {}
+        distiller = Distiller(teacher, student, losses, [4.0, 1.0, 0.0], student_loss_weight=0.4, **fuse)
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        history = distiller.fit(
+            TOKENS, LABELS, sample_weight=WEIGHTS, batch_size=3, epochs=2, shuffle=False, verbose=0
+        ).history
+        results[fused] = (history, student.get_weights())
+    unfused, fused = results[False][0], results[True][0]
+    assert set(fused) == set(unfused)
+    assert min(fused["distillation/reverse"]) > 0
+    for key in fused:
+        np.testing.assert_allclose(fused[key], unfused[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(results[True][1], results[False][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)

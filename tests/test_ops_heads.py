@@ -347,28 +347,6 @@ def test_cross_entropy_reads_no_label_where_the_mask_drops_it():
         np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-5)
 
 
-def test_weighted_cross_entropy_reads_no_label_where_the_weight_is_zero():
-    # The fused Distiller's hard-label loss (`weighted_cross_entropy_sum`,
-    # Keras' sample_weight, no mask): padding labels such as -100 under a
-    # zero weight are never indexed (TF's fused op in a head chunk raises
-    # on them).
-    from keras_penalties.ops.heads import weighted_cross_entropy_sum
-
-    weights = (MASK != 0).astype("float32")
-    labels = np.where(weights != 0, LABELS, -100)
-    expected = np.sum(weights * O.np_cross_entropy(LABELS, STUDENT_LOGITS, reduction="none"))
-    for chunk_size in (None, 4):
-        got = weighted_cross_entropy_sum(labels, _student(), ops.convert_to_tensor(weights), chunk_size=chunk_size)
-        np.testing.assert_allclose(to_numpy(got), expected, rtol=1e-5)
-        g = grad(
-            lambda k: weighted_cross_entropy_sum(
-                labels, _student(kernel=k), ops.convert_to_tensor(weights), chunk_size=chunk_size
-            ),
-            KERNEL,
-        )
-        assert_finite(g, "d/dkernel")
-
-
 def test_cross_entropy_oracle_by_hand():
     # Uniform logits over 4 classes: −log ¼ whatever the label; smoothing
     # leaves it unchanged (every log p is log ¼).

@@ -37,13 +37,16 @@ names, and importing fails if one is defined by neither):
   with its value so that the backward pass recomputes nothing (a
   `custom_vjp` scan on JAX, a custom gradient's loop on TF, an
   `autograd.Function`'s loop on torch).
-- `chunked_sum(fn, rows, shared, weights, chunk_size, dtype)`: the scalar
-  Σᵣ weights[r]·fn(chunk of `rows`, `shared`)[r] over chunks of
-  `chunk_size` rows, whose gradient w.r.t. the rows and `shared` (e.g.
-  hidden states and a vocabulary projection) is formed in the forward pass
-  for the inputs that need one (a `custom_vjp`, a `custom_gradient`, an
-  `autograd.Function`), so nothing is recomputed and no chunk's temporaries
-  outlive it.
+- `chunked_sum(fn, rows, shared, weights, chunk_size, dtype)`: `(total,
+  columns)`: the scalar total Σᵣ weights[r]·fn(chunk of `rows`,
+  `shared`)[r] over chunks of `chunk_size` rows, whose gradient w.r.t. the
+  rows and `shared` (e.g. hidden states and a vocabulary projection) is
+  formed in the forward pass for the inputs that need one (a `custom_vjp`,
+  a `custom_gradient`, an `autograd.Function`), so nothing is recomputed
+  and no chunk's temporaries outlive it. With weights [n, k] and fn giving
+  [rows, k] (several sums over the same logits, e.g. a Distiller's losses),
+  `columns` are the k sums Σᵣ weights[r, j]·fn(…)[r, j], not differentiated
+  (the total is theirs); with weights [n], `columns` is the total.
 - `chunked_values(fn, rows, heads, chunk_size, dtype)`: the per-row
   values fn(logits, rows)[r] over chunks of `chunk_size` rows (the heads'
   logits formed a chunk at a time, as in `chunked_sum`), with no gradient

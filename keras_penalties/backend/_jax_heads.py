@@ -79,7 +79,8 @@ def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
+    """(Σᵣ weights[r]·fn(logits, rows)[r], its columns: see backend/__init__),
+    `chunk_size` rows at a time, with
     the gradient formed in the forward pass (see `_chunked_sum`). Under
     Keras' `DataParallel` over n > 1 devices, each device sums the chunks
     of its own rows (`shard_map`) against its replica of the kernel and
@@ -106,12 +107,13 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         local_heads = [
             [h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)
         ]
-        # Each device's partial sum, one entry of a sharded vector: summed
+        # Each device's partial sums, one entry of sharded vectors: summed
         # outside, so that no collective runs inside the loop.
-        return _chunked_sum(fn, local_rows, local_heads, local_weights, chunk_size, dtype)[None]
+        total, columns = _chunked_sum(fn, local_rows, local_heads, local_weights, chunk_size, dtype)
+        return total[None], columns[None]
 
-    partial = shard_map(local, mesh, specs, sharded, axis)(*rowwise, *params, weights)
-    return jnp.sum(partial)
+    partial, columns = shard_map(local, mesh, specs, (sharded, sharded), axis)(*rowwise, *params, weights)
+    return jnp.sum(partial), jnp.sum(columns, axis=0)
 
 
 def data_parallel(chunks):
@@ -193,9 +195,10 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         def step(acc, xs):
             chunk_rows, hidden, w = xs
             logits = [logits_of(j, cast(h), *params[j]) for j, h in enumerate(hidden)]
-            return acc + jnp.sum(w * fn(logits, [cast(r) for r in chunk_rows])), None
+            return acc + jnp.sum(w * fn(logits, [cast(r) for r in chunk_rows]), axis=0), None
 
-        return jax.lax.scan(step, jnp.zeros((), dtype), inputs(rows, heads, weights))[0]
+        columns = jax.lax.scan(step, jnp.zeros(weights.shape[1:], dtype), inputs(rows, heads, weights))[0]
+        return jnp.sum(columns), columns
 
     def forward(rows, heads, weights):
         row_wanted = [i for i, r in enumerate(rows) if r.perturbed and is_float(r.value)]
@@ -215,10 +218,11 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 all_rows = list(chunk_rows)
                 for i, t in zip(row_wanted, wanted_rows):
                     all_rows[i] = t
-                return jnp.sum(w * fn(logits, all_rows))
+                columns = jnp.sum(w * fn(logits, all_rows), axis=0)
+                return jnp.sum(columns), columns
 
             # Gradients nothing reads (a frozen teacher's logits) are dropped by XLA.
-            value, (dlogits, row_grads) = jax.value_and_grad(chunk_value, argnums=(0, 1))(
+            (_, value), (dlogits, row_grads) = jax.value_and_grad(chunk_value, argnums=(0, 1), has_aux=True)(
                 logits, [chunk_rows[i] for i in row_wanted]
             )
             kernel_grads = [
@@ -234,7 +238,7 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             return (acc + value, kernel_grads, bias_grads), (row_grads, hidden_grads)
 
         start = (
-            jnp.zeros((), dtype),
+            jnp.zeros(weights.value.shape[1:], dtype),
             [jnp.zeros_like(params[j][0]) if wanted[j][1] else None for j in range(len(heads))],
             [jnp.zeros_like(params[j][1]) if wanted[j][2] else None for j in range(len(heads))],
         )
@@ -248,10 +252,14 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             [None if h is None else h.reshape(head[0].shape), k, b]
             for head, h, k, b in zip(heads, hidden_grads, kernel_grads, bias_grads)
         ]
-        return value, (kept_rows, kept_heads)
+        return (jnp.sum(value), value), (kept_rows, kept_heads)
 
     def backward(kept, upstream):
         kept_rows, kept_heads = kept
+        # The columns are not differentiated: only the total's cotangent counts.
+        upstream = upstream[0]
+        if isinstance(upstream, jax.custom_derivatives.SymbolicZero):
+            upstream = jnp.zeros((), dtype)
 
         def scale(g, to):
             return None if g is None else (g.astype(dtype) * upstream).astype(to)
@@ -304,7 +312,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         def total(wanted_rows, wanted_heads):
             all_rows = [c if w is None else w for w, c in zip(wanted_rows, fixed_rows)]
             all_heads = [[c if w is None else w for w, c in zip(ws, cs)] for ws, cs in zip(wanted_heads, fixed_heads)]
-            return chunked_sum(fn, all_rows, full(all_heads), upstream.astype(dtype), chunk_size, dtype)
+            return chunked_sum(fn, all_rows, full(all_heads), upstream.astype(dtype), chunk_size, dtype)[0]
 
         _, pullback = jax.vjp(total, *wanted)
         return pullback(jnp.ones((), dtype))

@@ -25,7 +25,8 @@ def _block_rows(rows, classes, elements):
 
 
 def in_blocks(fn, rows, dtype, outputs, elements):
-    """`fn(logits, chunk_rows, weight)` -> (value, `outputs` gradients of
+    """`fn(logits, chunk_rows, weight)` -> (value (a scalar, or a vector of
+    columns for weights [rows, k]), `outputs` gradients of
     `dtype`, each with the rows on its first axis), for a chunk of `rows`
     rows, taken a block of rows at a time in a while loop, each block about
     `elements` of logits, as `map_chunks`' "auto". Under XLA, where
@@ -50,7 +51,11 @@ def in_blocks(fn, rows, dtype, outputs, elements):
             value, block_grads = fn([x[i] for x in logits], [x[i] for x in chunk_rows], weight[i])
             return i + 1, total + value, tuple(g.write(i, b) for g, b in zip(grads, block_grads))
 
-        start = (tf.constant(0), tf.zeros((), dtype), tuple(tf.TensorArray(dtype, size=count) for _ in range(outputs)))
+        start = (
+            tf.constant(0),
+            tf.zeros(tf.shape(weight)[2:], dtype),  # the value's columns, if any
+            tuple(tf.TensorArray(dtype, size=count) for _ in range(outputs)),
+        )
         _, total, grads = tf.while_loop(
             lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count
         )

@@ -40,7 +40,7 @@ class _ChunkedSum(torch.autograd.Function):
         # product per chunk, unlike autograd's own accumulation.
         kernel_grads = {j: torch.zeros_like(params[j][0]) for j in range(len(heads)) if wanted[j][1]}
         bias_grads = {j: torch.zeros_like(params[j][1]) for j in range(len(heads)) if wanted[j][2]}
-        total = torch.zeros((), dtype=dtype, device=weights.device)
+        columns = torch.zeros(weights.shape[1:], dtype=dtype, device=weights.device)
         for start in range(0, weights.shape[0], chunk_size):
             stop = start + chunk_size
             chunk_rows = [cast(r[start:stop]) for r in rows]
@@ -53,7 +53,8 @@ class _ChunkedSum(torch.autograd.Function):
             watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
             watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
             with torch.enable_grad():
-                value = torch.sum(weights[start:stop] * fn(logits, chunk_rows))
+                chunk_columns = torch.sum(weights[start:stop] * fn(logits, chunk_rows), dim=0)
+                value = torch.sum(chunk_columns)
                 connected = watched and value.requires_grad
                 grads = torch.autograd.grad(value, watched, allow_unused=True) if connected else [None] * len(watched)
             grads = iter(torch.zeros_like(w) if g is None else g for w, g in zip(watched, grads))
@@ -69,7 +70,7 @@ class _ChunkedSum(torch.autograd.Function):
                     acc.addmm_(hidden[j].T, dlogits[j])
             for j, acc in bias_grads.items():
                 acc.add_(dlogits[j].sum(0))
-            total = total + value.detach()
+            columns += chunk_columns.detach()
         kept = [(i, g) for i, g in row_grads.items()]
         for j, (head, at) in enumerate(heads):
             for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
@@ -79,10 +80,12 @@ class _ChunkedSum(torch.autograd.Function):
         ctx.dtypes = [t.dtype for t in tensors]
         ctx.compute = dtype
         ctx.save_for_backward(*[g for _, g in kept])
-        return total
+        # The columns are not differentiated: only the total's gradient counts.
+        ctx.mark_non_differentiable(columns)
+        return columns.sum(), columns
 
     @staticmethod
-    def backward(ctx, upstream):
+    def backward(ctx, upstream, _):
         grads = [None] * len(ctx.dtypes)
         for k, g in zip(ctx.kept, ctx.saved_tensors):
             grads[k] = (g.to(ctx.compute) * upstream).to(ctx.dtypes[k])
@@ -90,7 +93,8 @@ class _ChunkedSum(torch.autograd.Function):
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
+    """(Σᵣ weights[r]·fn(logits, rows)[r], its columns: see backend/__init__),
+    `chunk_size` rows at a time, with
     the gradient formed in the forward pass: an `autograd.Function` whose
     loop forms each chunk's logits, takes the gradient of its weighted sum
     w.r.t. them and the float rows, and turns the logits' gradient into
@@ -158,7 +162,7 @@ class _ChunkedValues(torch.autograd.Function):
         if wanted:
             with torch.enable_grad():
                 weights = upstream.detach().to(ctx.dtype)
-                total = _ChunkedSum.apply(ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout, weights, *inputs)
+                total, _ = _ChunkedSum.apply(ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout, weights, *inputs)
                 found = iter(torch.autograd.grad(total, wanted))
             grads = [next(found) if t.requires_grad else None for t in inputs]
         return (None, None, None, None, *grads)

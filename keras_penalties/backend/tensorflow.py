@@ -193,7 +193,8 @@ def project(rows, kernel, transpose_kernel):
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
-    """Σᵣ weights[r]·fn(logits, rows)[r], `chunk_size` rows at a time, with
+    """(Σᵣ weights[r]·fn(logits, rows)[r], its columns: see backend/__init__),
+    `chunk_size` rows at a time, with
     the gradient formed in the forward pass.
 
     As `map_chunks`: one while loop, one chunk at a time. Each chunk forms
@@ -243,7 +244,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         row_chunks = [chunked(r) for r in row_values]
         hidden_chunks = [chunked(head[0]) for head in head_values]
         params = [(cast(k), cast(b)) for _, k, b in head_values]
-        weights = tf.reshape(weights, [-1, chunk_size])
+        weights = chunked(weights)
         count = tf.shape(weights)[0]
 
         def buffer(x):
@@ -264,11 +265,12 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 watched = [logits[j] for j in range(len(heads)) if any(wanted[j])] + [chunk_rows[i] for i in row_wanted]
                 with tf.GradientTape() as tape, _chunk_body():
                     tape.watch(watched)
-                    value = tf.reduce_sum(weight * fn(logits, chunk_rows))
+                    columns = tf.reduce_sum(weight * fn(logits, chunk_rows), axis=0)
+                    value = tf.reduce_sum(columns)
                 grads = (
                     tape.gradient(value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO) if watched else []
                 )
-                return value, grads
+                return columns, grads
 
             if xla or _compiles(xla):
                 # In blocks only where XLA compiles them: in a plain graph
@@ -301,7 +303,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
             # One iteration at a time: parallel ones would each hold a chunk.
             start = (
                 tf.constant(0),
-                tf.zeros((), dtype),
+                tf.zeros(tf.shape(weights)[2:], dtype),
                 # A fresh zeroed buffer per call: a tf.zeros constant would be
                 # folded into the graph, and the in-place sums would mutate it.
                 tuple(
@@ -329,9 +331,10 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
 
             return total, kept_rows, kept
 
-        total, kept_rows, kept = loop(row_wanted, wanted)
+        columns, kept_rows, kept = loop(row_wanted, wanted)
 
-        def gradient(upstream):
+        def gradient(upstream, _):
+            # The columns are not differentiated: only the total's gradient counts.
             if not kept_rows and not any(kept) and _traced_untaped():
                 everything = [[p is not None and p.dtype.is_floating for p in head] for head in head_values]
                 _, more_rows, more = loop([i for i, r in enumerate(row_values) if r.dtype.is_floating], everything)
@@ -347,7 +350,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
                 grads += [scale(kept[j].get(k), p) for k, p in enumerate(head) if p is not None]
             return [None] + grads
 
-        return total, gradient
+        return (tf.reduce_sum(columns), columns), gradient
 
     return run(weights, *flat)
 
@@ -399,7 +402,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
             watched = [t for t, w in zip(tensors, wanted) if w]
             with tf.GradientTape() as tape:
                 tape.watch(watched)
-                total = chunked_sum(fn, *unflatten(tensors), tf.cast(upstream, dtype), chunk_size, dtype)
+                total = chunked_sum(fn, *unflatten(tensors), tf.cast(upstream, dtype), chunk_size, dtype)[0]
             found = iter(tape.gradient(total, watched) if watched else [])
             return [next(found) if w else None for w in wanted]
 

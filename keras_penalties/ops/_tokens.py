@@ -198,7 +198,27 @@ def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_siz
     values, rows, heads, n, chunk_size = _fused_parts(values_fn, tensors, labels, chunk_size)
     # Padding rows weigh 0: none adds to the total.
     weights = chunks.padded_rows(_row_weights(mask, weights, reduction, n, compute), n, chunk_size, 0)
-    return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
+    return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)[0]
+
+
+def fused_columns(values_fn, tensors, labels, weights, chunk_size):
+    """Several weighted sums over the same logits, some lazy, in one chunk
+    loop (each chunk's logits formed once for all of them): `values_fn(
+    *tensors, labels=...)` gives [positions, k] values (labels, if any, one
+    class index per position), `weights` is [positions, k]. Returns the
+    total of the k sums (differentiated) and the k sums (not), in float32.
+    Labels are used as given (0 where a weight is 0: see `_labels`)."""
+    parts = [p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])]
+    compute, _ = dtypes.dtype_pair(parts)
+
+    def values(*chunk, axis, labels=None):
+        return values_fn(*chunk, labels=labels)
+
+    values, rows, heads, n, chunk_size = _fused_parts(values, tensors, labels, chunk_size)
+    weights = ops.cast(ops.reshape(weights, (-1, weights.shape[-1])), compute)
+    weights = chunks.padded_rows(weights, n, chunk_size, 0)
+    total, columns = backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
+    return ops.cast(total, "float32"), ops.cast(columns, "float32")
 
 
 def _fused_values(values_fn, tensors, labels, chunk_size, compute):

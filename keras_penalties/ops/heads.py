@@ -213,17 +213,3 @@ def _cross_entropy_values(
     if not label_smoothing:
         return -picked
     return -(1.0 - label_smoothing) * picked - label_smoothing * reductions.mean(logp, axis=axis)
-
-
-def weighted_cross_entropy_sum(
-    labels: TensorLike, logits: TensorLike | LinearLogits, weights: Tensor, *, chunk_size: ChunkSize = None
-) -> Tensor:
-    """Σ weights·cross_entropy(labels, logits) over the positions: the
-    numerator of Keras' sample-weighted loss (`Loss(y, y_pred,
-    sample_weight)` divides it by the number of positions). Used by the
-    fused `keras_penalties.distillation.Distiller`; not part of the public
-    ops."""
-    values = functools.partial(_cross_entropy_values, from_logits=True, label_smoothing=0.0, temperature=1.0)
-    return token_level(
-        values, (logits,), ("logits",), -1, "sum", None, chunk_size, from_logits=True, labels=labels, weights=weights
-    )
