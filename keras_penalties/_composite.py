@@ -168,6 +168,21 @@ class Composite:
             self._assign_entry(self._weight_state.weight_overridden, index, 1.0)
         self.terms[name].weight = weight
 
+    def _set_weights(self, weights):
+        """Every term's weight at once, as `set_weight` would set each (one
+        assignment per variable): the adaptive callbacks' path, called
+        with numbers ≥ 0 in `terms` order."""
+        if self.weighting is not None:
+            raise ValueError(f"{self.name!r} has weighting={self.weighting!r}, which learns its weights.")
+        weights = np.asarray(weights, "float32")
+        if weights.shape != (len(self.terms),) or not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
+            raise ValueError(f"Expected {len(self.terms)} finite weights >= 0; got {weights.tolist()}.")
+        self._weight_state.term_weights.assign(weights)
+        if self._scheduled.any():  # every schedule replaced by its number
+            self._weight_state.weight_overridden.assign(self._scheduled.astype("float32"))
+        for term, weight in zip(self.terms.values(), weights.tolist()):
+            term.weight = weight
+
     def enable(self, name: str) -> None:
         """Counts the term in the total from the next step on."""
         self._assign_entry(self._weight_state.term_enabled, self._index(name), 1.0)

@@ -489,6 +489,24 @@ def test_dynamic_weight_average_on_an_objective():
     )
 
 
+def test_dynamic_weight_average_replaces_a_scheduled_weight():
+    # The adaptive callbacks set every weight at once: a schedule is replaced
+    # as set_weight replaces it, and the step uses the set numbers.
+    keras.utils.set_random_seed(1)
+    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
+    inputs = keras.Input((3,))
+    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
+    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4)(inputs))))
+    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    logs = model.fit(X, Y, batch_size=4, epochs=4, verbose=0, callbacks=[PenaltyMonitor(), DynamicWeightAverage("obj")])
+    means = np.stack([logs.history["obj/a"], logs.history["obj/b"]], axis=1)
+    weights = np.stack([logs.history["obj/a/weight"], logs.history["obj/b/weight"]], axis=1)
+    np.testing.assert_allclose(weights, _dwa_oracle(means, 2.0), rtol=1e-5)
+    np.testing.assert_allclose(to_numpy(objective.effective_weights()), list(objective.weights_in_use().values()))
+    with pytest.raises(ValueError, match="finite weights"):
+        objective._set_weights([1.0, -1.0])
+
+
 # ---------------------------------------------------------------- GradNorm
 
 

@@ -102,6 +102,9 @@ names, and importing fails if one is defined by neither):
   themselves everywhere else.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
+- `optimizer_step(optimizer, variables)`: builds `optimizer` for
+  `variables` and returns `step(grads)`, which applies one step of it to
+  them, compiled where the backend compiles (GradNorm's weights).
 - `outside_distribution(fn)`: `fn()` run on the package's one host thread
   (its result returned, its exception raised), where no `tf.distribute`
   strategy, Keras distribution or dtype policy set in another thread is
@@ -150,6 +153,7 @@ _NAMES = (
     "replicas_in_sync",
     "sum_over_replicas",
     "loss_replicas",
+    "optimizer_step",
     "outside_distribution",
 )
 

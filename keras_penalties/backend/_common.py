@@ -186,6 +186,16 @@ def loss_replicas():
     return 1
 
 
+def optimizer_step(optimizer, variables):
+    """`step(grads)`: `optimizer.apply(grads, variables)`, eagerly."""
+    optimizer.build(variables)
+
+    def step(grads):
+        optimizer.apply(grads, variables)
+
+    return step
+
+
 def outside_distribution(fn):
     """`fn()` run on the package's one host thread ("keras_penalties_host",
     started on first use), its result returned and its exception raised.

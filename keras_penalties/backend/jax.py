@@ -109,6 +109,20 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
     return probe
 
 
+def optimizer_step(optimizer, variables):
+    """One jitted `stateless_apply` (eagerly, Keras' `apply` runs each of
+    its ops as its own dispatch); the new values are assigned back."""
+    optimizer.build(variables)
+    run = jax.jit(optimizer.stateless_apply)
+
+    def step(grads):
+        new, state = run([v.value for v in optimizer.variables], grads, [v.value for v in variables])
+        for variable, value in zip(list(variables) + list(optimizer.variables), list(new) + list(state)):
+            variable.assign(value)
+
+    return step
+
+
 def map_chunks(fn, chunks, dtype):
     """`fn` over the leading axis of the tuple `chunks`, stacked (values of
     `dtype`), without recomputing any chunk in the backward pass (see

@@ -449,6 +449,17 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
     return probe
 
 
+def optimizer_step(optimizer, variables):
+    """`optimizer.apply` in one `tf.function` (eager TF runs its ops one by one)."""
+    optimizer.build(variables)
+    run = tf.function(lambda grads: optimizer.apply(grads, variables))
+
+    def step(grads):
+        run(list(grads))
+
+    return step
+
+
 def softmax_pair(logits, axis, log_softmax=None):
     """`(exp(log p), log p)`: TF runs softmax and log_softmax as separate
     kernels, each with its own backward pass; one log_softmax and an exp is

@@ -48,8 +48,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
 
     def _set(self, weights):
         self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
-        for name, weight in zip(self.target.terms, weights):
-            self.target.set_weight(name, float(weight))
+        self.target._set_weights(weights)
 
     def on_train_begin(self, logs: Logs = None) -> None:
         self.epoch_means = []

@@ -103,7 +103,7 @@ class GradNorm(keras.callbacks.Callback):
         self._probes: dict[int, _Probe] = {}
         # The weights as the optimizer's variable (before clipping), and the
         # copy of `optimizer` that steps them, both made on the host thread.
-        self._weights = self._stepper = None
+        self._weights = self._stepper = self._apply = None
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
@@ -151,8 +151,9 @@ class GradNorm(keras.callbacks.Callback):
                 )
                 # A copy built here: one made in a strategy scope applies only there.
                 self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
+                self._apply = backend.optimizer_step(self._stepper, [self._weights])
             self._weights.assign(weights.astype("float32"))
-            self._stepper.apply([ops.convert_to_tensor(gradient.astype("float32"))], [self._weights])
+            self._apply([ops.convert_to_tensor(gradient.astype("float32"))])
             return np.asarray(ops.convert_to_numpy(self._weights), "float64")
 
         return backend.outside_distribution(step)
@@ -172,8 +173,7 @@ class GradNorm(keras.callbacks.Callback):
         weights = np.array(list(self.target.weights_in_use().values()), "float64")
         gradient = gradnorm_gradient(weights, values, norms, self._initial, self.alpha)
         new = clip_and_renormalise(self._step_weights(weights, gradient))
-        for name, weight in zip(self.target.terms, new):
-            self.target.set_weight(name, float(weight))
+        self.target._set_weights(new)
         names = list(self.target.terms)
         self.history.append(
             {
