@@ -13,6 +13,13 @@ class Case:
     build: object  # build(small) -> dict(ours=, reference=, per=steps per call, bytes=)
     limit: float = None  # the ratio target, None when only reported
     memory_limit: float = None  # a peak-memory ratio target, if any
+    # Roofline rows: the floating-point operations a call cannot avoid (its
+    # time is also shown as a fraction of the backend's measured matmul
+    # peak), and the bytes no implementation can do without (ours' peak
+    # memory over them must stay ≤ floor_limit).
+    flops: float = None
+    memory_floor: float = None
+    floor_limit: float = None
 
 
 def gradient_sides(inputs, ours_fn, reference_fn, count=2):

@@ -2,8 +2,10 @@
 without keras-penalties (optax on JAX, torch.nn.functional on torch, raw tf ops)."""
 
 import math
+import time
 
 import keras
+import numpy as np
 
 BACKEND = keras.backend.backend()
 LOG2 = math.log(2.0)
@@ -91,6 +93,24 @@ def value_and_grad(fn):
         return value.detach(), grad
 
     return run
+
+
+def matmul_peak(small=False, size=4096, repeats=3):
+    """The backend's float32 matmul rate in FLOP/s: the best of `repeats`
+    compiled [size, size] × [size, size] products (2·size³ operations),
+    the roofline rows' measured peak."""
+    size = 256 if small else size
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    a, b = keras.ops.convert_to_tensor(a), keras.ops.convert_to_tensor(b)
+    product = compile_fn(matmul)
+    block(product(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        block(product(a, b))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
 
 
 # ---------------------------------------------------------------- divergences from logits

@@ -8,7 +8,10 @@ gradients from the logits' gradient. KL to a frozen teacher's head needs a
 fourth, the teacher's logits. The reference side is exactly those products,
 the backend's own matmul (autodiff of Σ c·(h @ k) with a constant c of the
 logits' shape gives the two gradient products), so the ratio is the fused
-head's distance from what the hardware must do anyway.
+head's distance from what the hardware must do anyway. Each row also gives
+both sides' rate as a fraction of the backend's measured matmul peak
+(`native.matmul_peak`), and ours' peak memory over its floor: the
+gradients it returns plus one chunk's logits and their gradient.
 """
 
 import numpy as np
@@ -17,6 +20,7 @@ from keras import ops
 from bench import native
 from bench.case import Case, gradient_sides
 from keras_penalties import ops as P
+from keras_penalties.ops._chunks import chunk_rows
 
 SHAPE = (2048, 256, 128256)
 
@@ -62,21 +66,45 @@ def _products(teacher):
     return products
 
 
+def _flops(products):
+    """2·T·H·V operations per product."""
+    return lambda small: products * 2.0 * np.prod((64, 16, 1000) if small else SHAPE)
+
+
+def _memory_floor(chunk_logits):
+    """The gradients that are outputs ([T, H] and [H, V] float32) and one
+    chunk's `chunk_logits` [rows, V] buffers (the logits and their
+    gradient; KL also the teacher's logits), rows as "auto" picks them."""
+
+    def floor(small):
+        tokens, hidden, vocab = (64, 16, 1000) if small else SHAPE
+        rows = chunk_rows("auto", vocab, tokens, heads=True)
+        return 4.0 * (tokens * hidden + hidden * vocab + chunk_logits * rows * vocab)
+
+    return floor
+
+
 _NAME = "roofline: masked {} value+grad from hidden states [2048×256 → 128256], chunked"
 
 ROOFLINE_CASES = [
     Case(
         _NAME.format("cross-entropy"),
         "the 3 products it needs (the backend's matmul)",
-        "time ≤ 1.25",
+        "time ≤ 1.25, memory ≤ 1.5 of its floor",
         gradient_sides(_inputs, _fused_cross_entropy, _products(teacher=False)),
         1.25,
+        flops=_flops(3),
+        memory_floor=_memory_floor(2),
+        floor_limit=1.5,
     ),
     Case(
         _NAME.format("kl forward"),
         "the 4 products it needs (the backend's matmul)",
-        "time ≤ 1.25",
+        "time ≤ 1.25, memory ≤ 1.5 of its floor",
         gradient_sides(_inputs, _fused_kl, _products(teacher=True)),
         1.25,
+        flops=_flops(4),
+        memory_floor=_memory_floor(3),
+        floor_limit=1.5,
     ),
 ]

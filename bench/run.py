@@ -96,7 +96,10 @@ def timed(index, small, repeats, side=None):
     that side's alone), and bytes processed."""
     work = CASES[index].build(small)
     sides = ("ours", "reference") if side is None else (side,)
-    return {"times": measure_time(work, repeats, sides), "bytes": work.get("bytes")}
+    result = {"times": measure_time(work, repeats, sides), "bytes": work.get("bytes")}
+    if CASES[index].flops:
+        result["peak_flops"] = native.matmul_peak(small)
+    return result
 
 
 def _time_child(index, small, repeats, side=None):
@@ -186,9 +189,18 @@ def measure(index, small, repeats, memory=True):
     if nbytes:
         row["ours"]["gb_per_s"] = nbytes / row["ours"]["median_s"] / 1e9
         row["reference"]["gb_per_s"] = nbytes / row["reference"]["median_s"] / 1e9
+    if case.flops:
+        row["flops"], row["peak_flop_per_s"] = case.flops(small), result["peak_flops"]
+        for side in ("ours", "reference"):
+            row[side]["fraction_of_peak"] = row["flops"] / row[side]["median_s"] / row["peak_flop_per_s"]
     row["met"] = None if case.limit is None else row["time_ratio"] <= case.limit
     if case.memory_limit is not None:
         fits = row["memory_ratio"] is not None and row["memory_ratio"] <= case.memory_limit
+        row["met"] = fits if row["met"] is None else row["met"] and fits
+    if case.memory_floor and ours_memory is not None:
+        row["memory_floor_bytes"] = case.memory_floor(small)
+        row["floor_ratio"] = ours_memory / row["memory_floor_bytes"]
+        fits = row["floor_ratio"] <= case.floor_limit
         row["met"] = fits if row["met"] is None else row["met"] and fits
     return row
 
@@ -236,9 +248,14 @@ def _line(row):
         return f"{row['case']:<44} not measured: {row['error']}"
     o, r = row["ours"], row["reference"]
     memory = "–" if row["memory_ratio"] is None else f"{row['memory_ratio']:.2f}"
+    roofline = ""
+    if "peak_flop_per_s" in row:
+        roofline = f"  {o['fraction_of_peak']:.0%} of peak ({r['fraction_of_peak']:.0%})"
+    if "floor_ratio" in row:
+        roofline += f"  memory ×{row['floor_ratio']:.2f} of its floor"
     return (
         f"{row['case']:<44} ours {o['median_s'] * 1e3:9.2f} ms  ref {r['median_s'] * 1e3:9.2f} ms  "
-        f"time ×{row['time_ratio']:.3f} (min ×{row['min_time_ratio']:.3f})  mem ×{memory}  ({row['target']})"
+        f"time ×{row['time_ratio']:.3f} (min ×{row['min_time_ratio']:.3f})  mem ×{memory}{roofline}  ({row['target']})"
     )
 
 

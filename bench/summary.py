@@ -4,6 +4,7 @@ documentation's performance page, docs/performance.md).
     python -m bench.summary          # print it
     python -m bench.summary --page   # also put it in docs/performance.md, and
                                      # draw docs/bench_ratios.png (bench/charts.py)
+                                     # docs/bench_roofline.png (bench/charts.py)
                                      # and docs/bench_memory.png (bench/memory_sweep.py)
 
 The case list comes from bench.cases, which imports Keras: without a
@@ -20,6 +21,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
 CHART = PAGE.parent / "bench_ratios.png"
 MEMORY_CHART = PAGE.parent / "bench_memory.png"
+ROOFLINE_CHART = PAGE.parent / "bench_roofline.png"
 MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
 
@@ -83,6 +85,7 @@ def main():
             b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BACKENDS if (RESULTS / f"{b}.json").exists()
         }
         charts.ratios(reports, CASES, CHART)
+        charts.roofline(reports, CASES, ROOFLINE_CHART)
         sweeps = {b: RESULTS / f"memory_{b}.json" for b in BACKENDS if (RESULTS / f"memory_{b}.json").exists()}
         if sweeps:
             from bench import memory_sweep

@@ -118,6 +118,39 @@ def test_the_ratio_chart_draws_every_measured_row(tmp_path):
     assert shown == [case.name for case in run.CASES if case.name in measured] and dropped in shown
 
 
+def test_a_roofline_row_reports_its_fraction_of_peak_and_its_memory_floor(tmp_path):
+    from bench import charts
+    from keras_penalties.ops._chunks import chunk_rows
+
+    report = run.run(small=True, repeats=1, only="roofline: masked cross-entropy", output=tmp_path)
+    (row,) = report["cases"]
+    assert row["peak_flop_per_s"] > 0 and row["flops"] == 3 * 2.0 * 64 * 16 * 1000
+    for side in ("ours", "reference"):
+        expected = row["flops"] / row[side]["median_s"] / row["peak_flop_per_s"]
+        np.testing.assert_allclose(row[side]["fraction_of_peak"], expected)
+    # The returned gradients ([64, 16] and [16, 1000] float32) and one chunk's logits and their gradient.
+    rows = chunk_rows("auto", 1000, 64, heads=True)
+    assert row["memory_floor_bytes"] == 4 * (64 * 16 + 16 * 1000 + 2 * rows * 1000)
+    np.testing.assert_allclose(row["floor_ratio"], row["ours"]["peak_memory_bytes"] / row["memory_floor_bytes"])
+    shown = charts.roofline({report["backend"]: report}, run.CASES, tmp_path / "roofline.png")
+    assert shown == [row["case"]] and (tmp_path / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_out_of_reach_measurements_run_at_tiny_size():
+    # Backend-specific by what they measure: the rows they explain are
+    # JAX's (a compiled program, the roofline's parts) and TF's (a graph).
+    from bench import native, out_of_reach
+
+    if native.BACKEND == "jax":
+        assert out_of_reach.jax_entropy_program(small=True)  # the same program at any size
+        assert isinstance(out_of_reach.jax_roofline_parts(small=True, repeats=1), bool)
+    elif native.BACKEND == "tensorflow":
+        assert out_of_reach.tf_kl_ops(small=True)
+        assert out_of_reach.tf_head_memory()  # from the committed results
+    else:
+        pytest.skip("no row is marked out of reach on torch")
+
+
 def test_the_memory_sweep_runs_and_draws_at_tiny_size(tmp_path):
     from bench import memory_sweep
 
