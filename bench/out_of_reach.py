@@ -2,7 +2,7 @@
 rerunnable (issue 45): each prints what it compares and exits 1 if the
 claim no longer holds.
 
-    KERAS_BACKEND=jax python -m bench.out_of_reach          # entropy value's programs; roofline parts
+    KERAS_BACKEND=jax python -m bench.out_of_reach          # entropy's programs; roofline parts; GradNorm's floor
     KERAS_BACKEND=tensorflow python -m bench.out_of_reach   # KL value+grad ops; cross-entropy head memory
 
 - JAX, entropy value [8192, 32000]: XLA's optimized HLO of ours and of the
@@ -16,6 +16,10 @@ claim no longer holds.
   alone already exceed 1.25 × the whole products, no chunked head reaches
   the target on this machine (larger chunks were measured slower: 64, 128
   and 256 rows took 3.7, 4.0 and 4.4 s).
+- JAX, GradNorm at every batch (≤ 2× the step without it): a callback
+  that only assigns one variable per batch, and GradNorm's probe alone,
+  each against the plain step of the row's model. Their sum is what
+  GradNorm cannot go below (it does both, and its weights' step).
 - TF, kl_divergence value+grad [8192, 32000]: the ops of both traced
   graphs (value and gradient) whose output is a [rows, classes] tensor,
   counted by type. Where the counts are the same, the two sides make the
@@ -161,6 +165,57 @@ def jax_roofline_parts(small=False, repeats=5):
     return floor > 1.25
 
 
+def jax_gradnorm_floor(small=False, repeats=5):
+    """What a step with `GradNorm(every_n_batches=1)` cannot go below on
+    JAX, on the GradNorm row's model (`bench.multitask`): a callback that
+    only assigns one variable per batch (Keras syncs the whole training
+    state out and back in for it), against the plain step; plus GradNorm's
+    probe alone (one jitted call), against the same step. Holds if the two
+    together exceed the row's target (×2)."""
+    import statistics
+    import time
+
+    import keras
+
+    from bench import multitask
+    from keras_penalties.callbacks import GradNorm
+
+    class AssignOne(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            weights = self.model.loss._weight_state.term_weights  # reading .model syncs the state
+            weights.assign(weights.value)
+
+    steps = 4 if small else 256
+    (x, y), _ = multitask.problem(multitask.BATCH * steps)
+    models = {"plain": (multitask.build(), []), "one assignment a batch": (multitask.build(), [AssignOne()])}
+    times = {name: [] for name in models}
+    for _ in range(repeats + 1):
+        for name, (model, callbacks) in models.items():
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=multitask.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+            times[name].append((time.perf_counter() - start) / steps)
+    step = {name: statistics.median(t[1:]) for name, t in times.items()}
+    probe_data = (x[: multitask.BATCH], y[: multitask.BATCH])
+    gradnorm = GradNorm("tasks", "trunk_2", probe_data=probe_data)
+    model = multitask.build()
+    model.fit(*probe_data, epochs=1, verbose=0, callbacks=[gradnorm])
+    probe = gradnorm._probe()
+    probe(*gradnorm.probe_data)
+    probe_times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        probe(*gradnorm.probe_data)
+        probe_times.append(time.perf_counter() - start)
+    plain = step["plain"]
+    sync = step["one assignment a batch"] / plain
+    probing = statistics.median(probe_times) / plain
+    print(
+        f"GradNorm's row, JAX: plain step {plain * 1e3:.3f} ms; with one assignment a batch ×{sync:.2f}; "
+        f"the probe alone ×{probing:.2f} of a step: at least ×{sync + probing:.2f} (target 2)"
+    )
+    return sync + probing > 2.0
+
+
 def _big_ops(fn, args, shape):
     import tensorflow as tf
 
@@ -207,7 +262,7 @@ def tf_head_memory(results=RESULTS / "tensorflow.json"):
 
 def main():
     checks = {
-        "jax": [jax_entropy_program, jax_roofline_parts],
+        "jax": [jax_entropy_program, jax_roofline_parts, jax_gradnorm_floor],
         "tensorflow": [tf_kl_ops, tf_head_memory],
     }.get(native.BACKEND, [])
     if not checks:

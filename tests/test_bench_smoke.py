@@ -144,6 +144,7 @@ def test_the_out_of_reach_measurements_run_at_tiny_size():
     if native.BACKEND == "jax":
         assert out_of_reach.jax_entropy_program(small=True)  # the same program at any size
         assert isinstance(out_of_reach.jax_roofline_parts(small=True, repeats=1), bool)
+        assert isinstance(out_of_reach.jax_gradnorm_floor(small=True, repeats=1), bool)
     elif native.BACKEND == "tensorflow":
         assert out_of_reach.tf_kl_ops(small=True)
         assert out_of_reach.tf_head_memory()  # from the committed results
