@@ -88,23 +88,14 @@ _NAME = "roofline: masked {} value+grad from hidden states [2048×256 → 128256
 
 ROOFLINE_CASES = [
     Case(
-        _NAME.format("cross-entropy"),
-        "the 3 products it needs (the backend's matmul)",
+        _NAME.format(what),
+        f"the {products} products it needs (the backend's matmul)",
         "time ≤ 1.25, memory ≤ 1.5 of its floor",
-        gradient_sides(_inputs, _fused_cross_entropy, _products(teacher=False)),
+        gradient_sides(_inputs, fused, _products(teacher=products == 4)),
         1.25,
-        flops=_flops(3),
-        memory_floor=_memory_floor(2),
+        flops=_flops(products),
+        memory_floor=_memory_floor(products - 1),  # the logits' buffers: a chunk's, its gradient, a teacher's
         floor_limit=1.5,
-    ),
-    Case(
-        _NAME.format("kl forward"),
-        "the 4 products it needs (the backend's matmul)",
-        "time ≤ 1.25, memory ≤ 1.5 of its floor",
-        gradient_sides(_inputs, _fused_kl, _products(teacher=True)),
-        1.25,
-        flops=_flops(4),
-        memory_floor=_memory_floor(3),
-        floor_limit=1.5,
-    ),
+    )
+    for what, fused, products in (("cross-entropy", _fused_cross_entropy, 3), ("kl forward", _fused_kl, 4))
 ]

@@ -35,7 +35,7 @@ from keras_penalties._distiller_parts import (
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.ops._tokens import fused_columns
+from keras_penalties.ops._tokens import _labels, fused_columns
 from keras_penalties.ops.divergences import _js_values, _kl_values
 from keras_penalties.ops.heads import _cross_entropy_values
 
@@ -422,7 +422,7 @@ class Distiller(keras.distillation.Distiller):
         if self.student_loss_weight > 0.0 and y is not None:
             w = ops.ones(positions) if sample_weight is None else sample_weight
             w = ops.broadcast_to(ops.cast(w, "float32"), positions)
-            labels = ops.where(ops.not_equal(w, 0), ops.cast(y, "int32"), ops.zeros(positions, "int32"))
+            labels = _labels(y, student, len(student.shape) - 1, None, weights=w)  # 0 where the weight is
             keys.append(("student", self.student_loss_weight))
             columns.append(lambda t, s, labels: _cross_entropy_values(s, labels=labels, **_PLAIN_CROSS_ENTROPY))
             weights.append(w / ops.cast(reductions.at_least_one(_positions(student)), "float32"))

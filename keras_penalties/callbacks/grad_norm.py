@@ -102,8 +102,9 @@ class GradNorm(keras.callbacks.Callback):
         self.history: list[dict[str, Any]] = []
         self._probes: dict[int, _Probe] = {}
         # The weights as the optimizer's variable (before clipping), and the
-        # copy of `optimizer` that steps them, both made on the host thread.
-        self._weights = self._stepper = self._apply = None
+        # step of the copy of `optimizer` that moves them, both made on the
+        # host thread.
+        self._weights = self._apply = None
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
@@ -150,8 +151,8 @@ class GradNorm(keras.callbacks.Callback):
                     weights.astype("float32"), dtype="float32", trainable=True, name="gradnorm_weights"
                 )
                 # A copy built here: one made in a strategy scope applies only there.
-                self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
-                self._apply = backend.optimizer_step(self._stepper, [self._weights])
+                stepper = type(self.optimizer).from_config(self.optimizer.get_config())
+                self._apply = backend.optimizer_step(stepper, [self._weights])
             self._weights.assign(weights.astype("float32"))
             self._apply([ops.convert_to_tensor(gradient.astype("float32"))])
             return np.asarray(ops.convert_to_numpy(self._weights), "float64")
