@@ -74,6 +74,13 @@ names, and importing fails if one is defined by neither):
   running values of a composite (in place on torch).
 - `increment(variable)`: variable += 1, for a composite's step count (in
   place on torch).
+- `famo_step(logits, moments, step, delta, learning_rate, gamma)`: one
+  FAMO update of its logits ξ and Adam moments (m, v stacked) from δ, the
+  change of the log-losses since the previous step, at Adam step `step`
+  (≥ 1): `(new logits, new moments)` (torch's own fused ops on torch).
+- `assign_all(pairs)`: each `(variable, value)` pair's variable set to its
+  value (a composite's state after a step; in place on torch, in one
+  `no_grad` block).
 - `reduce_sum(x, axis=None)`: `ops.sum` of a float tensor (`torch.sum`
   itself on torch).
 - `divide_by_count(total, n)`: total / n for a count, as a tensor of
@@ -143,6 +150,8 @@ _NAMES = (
     "stack",
     "add_to_row",
     "increment",
+    "famo_step",
+    "assign_all",
     "reduce_sum",
     "divide_by_count",
     "proximal_step",

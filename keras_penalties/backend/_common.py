@@ -99,6 +99,27 @@ def increment(variable):
     variable.assign(variable.value + 1)
 
 
+def famo_step(logits, moments, step, delta, learning_rate, gamma):
+    """One FAMO update of the logits ξ from δ = log Dₜ₋₁ − log Dₜ, the
+    change of the log-losses since the previous step, through softmax's
+    Jacobian, d = z ⊙ (δ − z·δ), as the logits' gradient, plus γ·ξ; then
+    Adam step `step` (≥ 1). Returns the new logits and moments (m, v
+    stacked)."""
+    z = ops.softmax(logits)
+    gradient = z * (delta - ops.sum(z * delta)) + gamma * logits
+    m = 0.9 * moments[0] + 0.1 * gradient
+    v = 0.999 * moments[1] + 0.001 * gradient * gradient
+    m_hat = m / (1.0 - ops.power(0.9, step))
+    v_hat = v / (1.0 - ops.power(0.999, step))
+    return logits - learning_rate * m_hat / (ops.sqrt(v_hat) + 1e-8), ops.stack([m, v])
+
+
+def assign_all(pairs):
+    """variable.assign(value) for each `(variable, value)` pair."""
+    for variable, value in pairs:
+        variable.assign(value)
+
+
 def proximal_step(variables, threshold, shrink, center):
     """Each variable v ← c + k·(u − clip(u, −t, t)), u = v − c, in place: the
     proximal step of an L1 (`threshold` t), L2 (`shrink` k = 1/(1 + 2·step),

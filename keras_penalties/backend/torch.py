@@ -164,6 +164,31 @@ def increment(variable):
         variable.value.add_(1)
 
 
+def famo_step(logits, moments, step, delta, learning_rate, gamma):
+    """As `_common.famo_step`, the same operations in the same order, in
+    torch's own calls: on these few-element tensors Keras' dispatch of each
+    op costs more than its math (25 µs of the step's 75, at every training
+    step)."""
+    z = torch.softmax(logits, dim=-1)
+    gradient = z * (delta - torch.sum(z * delta)) + gamma * logits
+    m = 0.9 * moments[0] + 0.1 * gradient
+    v = 0.999 * moments[1] + 0.001 * gradient * gradient
+    m_hat = m / (1.0 - torch.pow(0.9, step))
+    v_hat = v / (1.0 - torch.pow(0.999, step))
+    return logits - learning_rate * m_hat / (torch.sqrt(v_hat) + 1e-8), torch.stack([m, v])
+
+
+def assign_all(pairs):
+    """As `_common.assign_all`, in place: Keras' assignment checks and
+    converts each value first (about 15 µs a variable, FAMO's five at every
+    training step). In a stateless scope the values are the scope's."""
+    if _keras_internals.in_stateless_scope():
+        return _common.assign_all(pairs)
+    with torch.no_grad():
+        for variable, value in pairs:
+            variable.value.copy_(value)
+
+
 def proximal_step(variables, threshold, shrink, center):
     """As `_common.proximal_step`, as `torch._foreach_*` calls on the
     variables' tensors in place, as Keras' torch Adam updates them. The
