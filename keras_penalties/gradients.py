@@ -226,8 +226,17 @@ def parameter_probe(
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
 
-    def outputs(trainable_values: Sequence[Tensor], other_values: Sequence[Tensor], x: Any, y: Any) -> list[Tensor]:
-        mapping = list(zip(trainable, trainable_values)) + list(zip(others, other_values))
+    def outputs(
+        trainable_values: Sequence[Tensor], other_values: Sequence[Tensor] | None, x: Any, y: Any
+    ) -> list[Tensor]:
+        mapping = list(zip(trainable, trainable_values))
+        if other_values is None:
+            # The others read as they are (torch, whose variables hold the
+            # tensors differentiated): all but the trainable ones, whose
+            # regularizers Keras reads from the scope alone.
+            mapping += [(v, v.value) for v in others if v.trainable]
+        else:
+            mapping += list(zip(others, other_values))
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
             return outputs_fn(x, y)
 

@@ -110,15 +110,17 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
 
 
 def optimizer_step(optimizer, variables):
-    """One jitted `stateless_apply` (eagerly, Keras' `apply` runs each of
-    its ops as its own dispatch); the new values are assigned back."""
+    """One jitted `stateless_apply` from `values` (eagerly, Keras' `apply`
+    runs each of its ops as its own dispatch); the new values are assigned
+    back."""
     optimizer.build(variables)
     run = jax.jit(optimizer.stateless_apply)
 
-    def step(grads):
-        new, state = run([v.value for v in optimizer.variables], grads, [v.value for v in variables])
+    def step(values, grads):
+        new, state = run([v.value for v in optimizer.variables], list(grads), list(values))
         for variable, value in zip(list(variables) + list(optimizer.variables), list(new) + list(state)):
             variable.assign(value)
+        return new
 
     return step
 

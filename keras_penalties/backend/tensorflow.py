@@ -1,9 +1,8 @@
 """TensorFlow: `tf.GradientTape`, a `tf.function` probe, and `tf.distribute`.
 
-Under `MirroredStrategy` each replica runs the step on its shard of the batch,
-and Keras divides every loss, `add_loss` terms included, by the number of
-replicas before it sums their gradients; its own `Loss` objects divide their
-means by it wherever a strategy is in scope.
+Under `MirroredStrategy` each replica runs the step on its shard of the batch, and
+Keras divides every loss, `add_loss` terms included, by the number of replicas before
+it sums their gradients; its `Loss` objects divide their means by it in a strategy.
 """
 
 import contextlib
@@ -15,7 +14,8 @@ from keras import ops
 
 from keras_penalties import _keras_internals
 from keras_penalties.backend._tensorflow_blocks import add_kernel_grad, in_blocks
-from keras_penalties.backend._common import norm, outside_distribution
+from keras_penalties.backend import _common
+from keras_penalties.backend._common import norm
 
 # TF's graph optimizer (common subgraph elimination) can merge an
 # objective's repeated log-softmaxes, and a GradientTape inside a term
@@ -440,24 +440,32 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
         return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
 
     def probe(x, y):
-        # Under a strategy, on the host thread: whole values, as one device;
-        # elsewhere here, under the caller's dtype policy and scopes.
+        # Under a strategy on the host thread (whole values, as one device); else here, as the caller runs.
         if not tf.distribute.has_strategy():
             return run(x, y)
-        return outside_distribution(lambda: run(x, y))
+        return _common.outside_distribution(lambda: run(x, y), in_strategy=True)
 
     return probe
 
 
+def outside_distribution(fn):
+    """As `_common.outside_distribution`, leaving a strategy's scope too."""
+    return _common.outside_distribution(fn, in_strategy=tf.distribute.has_strategy())
+
+
 def optimizer_step(optimizer, variables):
-    """`optimizer.apply` in one `tf.function` (eager TF runs its ops one by one)."""
+    """The assignments, `apply` and the reads in one call (eager TF makes each
+    op a call), compiled by XLA as Keras compiles a step's `apply`."""
     optimizer.build(variables)
-    run = tf.function(lambda grads: optimizer.apply(grads, variables))
 
-    def step(grads):
-        run(list(grads))
+    @tf.function(jit_compile=True)
+    def run(values, grads):
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        optimizer.apply(grads, variables)
+        return [tf.identity(variable.value) for variable in variables]
 
-    return step
+    return lambda values, grads: run(list(values), list(grads))
 
 
 def softmax_pair(logits, axis, log_softmax=None):

@@ -5,7 +5,7 @@ import torch
 
 from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
-from keras_penalties.backend._common import TINY, norm, smallest_normal
+from keras_penalties.backend._common import TINY, smallest_normal
 from keras_penalties.backend._torch_heads import chunked_sum, chunked_values, project  # noqa: F401  (the backend's contract)
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms
@@ -367,11 +367,20 @@ def gradients(fn, tensors):
     return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
 
 
+def _norm(grads):
+    """`_common.norm` in torch's own calls (Keras' ops make four per tensor),
+    each Σg² exact to float32 rounding (`sum_of_squares`)."""
+    return torch.sqrt(torch.sum(torch.stack([sum_of_squares(g.float()) for g in grads])))
+
+
 def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
     def probe(x, y):
         params = [v.value for v in trainable]
         with torch.enable_grad():
-            entries = outputs(params, [v.value for v in others], x, y)
+            # Every other variable's tensor is its own: mapping it in the
+            # stateless scope would change nothing and cost Keras a
+            # conversion and a lookup per variable.
+            entries = outputs(params, None, x, y)
             values = torch.stack([e.detach() for e in entries])
             if not grad_norms:
                 return values, None
@@ -385,7 +394,7 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
                 grads = [
                     g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None
                 ]
-                norms.append(norm(grads) if grads else torch.zeros((), device=values.device))
+                norms.append(_norm(grads) if grads else torch.zeros((), device=values.device))
         return values, torch.stack(norms).detach()
 
     return probe

@@ -5,6 +5,7 @@ metrics part of the model and logging their weights."""
 from typing import TypeAlias
 
 import keras
+import numpy as np
 
 from keras_penalties import _keras_internals
 from keras_penalties.losses import CompositeLoss
@@ -85,6 +86,13 @@ def _settable_target(model, target, method):
     return found
 
 
-def _log_weights(target, logs):
+def _log_weights(target, logs, weights=None):
+    """`"<target>/<term>/weight"` into `logs`: the weights in use, or
+    `weights` (in `terms` order, as the float32 variable holds them) where
+    the caller has just set them all."""
     if logs is not None:
-        logs.update({f"{target.name}/{term}/weight": w for term, w in target.weights_in_use().items()})
+        if weights is None:
+            in_use = target.weights_in_use()
+        else:
+            in_use = dict(zip(target.terms, np.asarray(weights, "float32").tolist()))
+        logs.update({f"{target.name}/{term}/weight": w for term, w in in_use.items()})

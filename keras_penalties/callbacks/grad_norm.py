@@ -139,11 +139,12 @@ class GradNorm(keras.callbacks.Callback):
         """One step of the optimizer from `weights` along `gradient` (NumPy).
 
         It runs through `backend.outside_distribution`, on the package's
-        host thread: Keras' and TF's distribution and dtype-policy state is
-        per thread, so the weights and the optimizer's state are plain
-        float32 variables there even while `fit` runs inside a
-        `tf.distribute` scope (where an optimizer applied from a callback
-        has no replica context) or a Keras distribution."""
+        host thread where a distribution or a dtype policy is in effect:
+        Keras' and TF's distribution and dtype-policy state is per thread,
+        so the weights and the optimizer's state are plain float32
+        variables there even while `fit` runs inside a `tf.distribute`
+        scope (where an optimizer applied from a callback has no replica
+        context) or a Keras distribution."""
 
         def step():
             if self._weights is None or tuple(self._weights.shape) != weights.shape:
@@ -153,9 +154,8 @@ class GradNorm(keras.callbacks.Callback):
                 # A copy built here: one made in a strategy scope applies only there.
                 stepper = type(self.optimizer).from_config(self.optimizer.get_config())
                 self._apply = backend.optimizer_step(stepper, [self._weights])
-            self._weights.assign(weights.astype("float32"))
-            self._apply([ops.convert_to_tensor(gradient.astype("float32"))])
-            return np.asarray(ops.convert_to_numpy(self._weights), "float64")
+            (new,) = self._apply([weights.astype("float32")], [gradient.astype("float32")])
+            return np.asarray(ops.convert_to_numpy(new), "float64")
 
         return backend.outside_distribution(step)
 
@@ -184,7 +184,7 @@ class GradNorm(keras.callbacks.Callback):
                 "weights": dict(zip(names, new.tolist())),
             }
         )
-        _log_weights(self.target, logs)
+        _log_weights(self.target, logs, new)
 
     def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         self.model  # noqa: B018
