@@ -110,13 +110,15 @@ names, and importing fails if one is defined by neither):
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
 - `optimizer_step(optimizer, variables)`: builds `optimizer` for
-  `variables` and returns `step(grads)`, which applies one step of it to
-  them, compiled where the backend compiles (GradNorm's weights).
-- `outside_distribution(fn)`: `fn()` run on the package's one host thread
-  (its result returned, its exception raised), where no `tf.distribute`
-  strategy, Keras distribution or dtype policy set in another thread is
-  in effect: values are whole, as on one device, and losses unscaled
-  (the probe on TF, GradNorm's optimizer step on every backend).
+  `variables` and returns `step(values, grads)`, which sets them to
+  `values`, applies one step of it and returns their new values, in one
+  compiled call where the backend compiles (GradNorm's weights).
+- `outside_distribution(fn)`: `fn()` run where no `tf.distribute`
+  strategy, Keras distribution or dtype policy set in the caller's thread
+  is in effect (its result returned, its exception raised): on the
+  package's one host thread if one is, else here: values are whole, as on
+  one device, and losses unscaled (the probe on TF, GradNorm's optimizer
+  step on every backend).
 """
 
 import importlib
