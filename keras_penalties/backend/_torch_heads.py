@@ -71,6 +71,9 @@ class _ChunkedSum(torch.autograd.Function):
             for j, acc in bias_grads.items():
                 acc.add_(dlogits[j].sum(0))
             columns += chunk_columns.detach()
+            # Freed now, not when the next chunk's rebind them: else the next
+            # chunk's logits are formed beside this one's and their gradient.
+            del logits, watched, grads, dlogits, chunk_columns, value
         kept = [(i, g) for i, g in row_grads.items()]
         for j, (head, at) in enumerate(heads):
             for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
