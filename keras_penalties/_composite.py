@@ -250,7 +250,8 @@ class Composite:
             # Operators, not `keras.ops` calls (5 µs each on eager torch):
             # 0⁰ = 1, so `first` is 1 at the first step and 0 after. δ is 0
             # at the first step (no previous step to compare with); with ξ
-            # still 0 there, Adam's step is 0 and its moments stay 0.
+            # still 0 there, Adam's step is 0 and its moments stay 0 (a
+            # non-finite first value makes ξ NaN a step sooner than before).
             first = 0.0**steps
             logits, moments = backend.famo_step(
                 logits,

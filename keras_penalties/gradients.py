@@ -213,8 +213,9 @@ def parameter_probe(
     returns a list of `num_outputs` scalars (term values, losses); each
     one's gradient is taken on its own, through only what it depends on (a
     stacked vector would make every backward pass cover the whole model). It runs
-    inside a `keras.StatelessScope`: every variable is read through the scope
-    and whatever the forward pass assigns (running statistics, metric
+    inside a `keras.StatelessScope`: the variables are read through the scope
+    (on torch the non-trainable ones as they are: the same tensors) and
+    whatever the forward pass assigns (running statistics, metric
     trackers) is discarded, so probing changes no state. Under a distribution
     strategy it runs as one device on the whole batch. The returned
     `probe(x, y)` gives `(values, norms)` as NumPy arrays, `norms[i]` being
@@ -231,8 +232,8 @@ def parameter_probe(
     ) -> list[Tensor]:
         mapping = list(zip(trainable, trainable_values))
         if other_values is None:
-            # The others read as they are (torch, whose variables hold the
-            # tensors differentiated): all but the trainable ones, whose
+            # The others read as they are (a backend whose variables hold the
+            # tensors it differentiates): all but the trainable ones, whose
             # regularizers Keras reads from the scope alone.
             mapping += [(v, v.value) for v in others if v.trainable]
         else:

@@ -599,6 +599,25 @@ def test_gradnorm_norms_and_updates_follow_the_formula(make, oracle):
     np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-5)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
+def test_gradnorm_steps_float32_weights_on_the_host_thread_under_a_mixed_policy(policy):
+    # The caller's thread has a dtype policy to leave: the weights' step runs
+    # on the host thread (under float32 it runs in the caller's, tested
+    # above), and its weights and the batch logs still follow the formula.
+    keras.utils.set_random_seed(2)
+    model = _trainable_model("mse")
+    gradnorm = GradNorm("obj", "shared", probe_data=(X[:4], Y[:4]))
+    batch_logs = []
+    logger = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs)))
+    model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[gradnorm, logger])
+    expected = _gradnorm_oracle(gradnorm.history, 1.5, _NumpyAdam(0.025))
+    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-5)
+    assert not np.allclose(expected[-1], 1.0)
+    logged = [[logs["obj/a/weight"], logs["obj/b/weight"]] for logs in batch_logs]
+    np.testing.assert_allclose(logged, expected, rtol=1e-6)
+    np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-6)
+
+
 def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_ones():
     """Adam's normalisation removes the scale of gᵢ (SPEC §9): with norms
     about 10⁶ apart, the first probe moves both weights by the learning rate

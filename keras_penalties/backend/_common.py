@@ -9,6 +9,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_penalties import _keras_internals
+
 
 def norm(grads):
     """‖(g₁, g₂, …)‖₂ over all the tensors, in float32."""
@@ -216,7 +218,7 @@ def optimizer_step(optimizer, variables):
         for variable, value in zip(variables, values):
             variable.assign(value)
         optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
-        return [variable.value for variable in variables]
+        return [ops.copy(variable.value) for variable in variables]
 
     return step
 
@@ -225,14 +227,16 @@ def outside_distribution(fn, in_strategy=False):
     """`fn()` run on the package's one host thread ("keras_penalties_host",
     started on first use), its result returned and its exception raised.
     A `tf.distribute` strategy's scope (`in_strategy`: whether the caller is
-    in one), a Keras distribution and the dtype policy belong to the thread
-    that set them: there `fn` sees none, and computes on whole values as
-    one device would, without Keras' loss scaling for a distribution. From
-    the host thread itself, or where the caller's thread has none of them
-    either, `fn()` here (the hop costs 50-70 µs)."""
+    in one, or in TF's graph mode), a Keras distribution, the dtype policy
+    and a `StatelessScope` belong to the thread that set them: there `fn`
+    sees none, and computes on whole values as one device would, without
+    Keras' loss scaling for a distribution. From the host thread itself, or
+    where the caller's thread has none of them either, `fn()` here (the hop
+    costs 50-70 µs)."""
     if getattr(_on_host, "active", False):
         return fn()
-    if not in_strategy and keras.distribution.distribution() is None and keras.config.dtype_policy().name == "float32":
+    plain = keras.distribution.distribution() is None and keras.config.dtype_policy().name == "float32"
+    if plain and not in_strategy and not _keras_internals.in_stateless_scope():
         return fn()
     with _host_lock:
         if not _host:

@@ -450,15 +450,15 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
 
 def outside_distribution(fn):
     """As `_common.outside_distribution`, leaving a strategy's scope too."""
-    return _common.outside_distribution(fn, in_strategy=tf.distribute.has_strategy())
+    return _common.outside_distribution(fn, in_strategy=tf.distribute.has_strategy() or not tf.executing_eagerly())
 
 
 def optimizer_step(optimizer, variables):
     """The assignments, `apply` and the reads in one call (eager TF makes each
-    op a call), compiled by XLA as Keras compiles a step's `apply`."""
+    op a call), compiled by XLA where TF sees only CPUs, as the chunks are."""
     optimizer.build(variables)
 
-    @tf.function(jit_compile=True)
+    @functools.partial(tf.function, jit_compile=_cpu_only())
     def run(values, grads):
         for variable, value in zip(variables, values):
             variable.assign(value)

@@ -102,8 +102,8 @@ class GradNorm(keras.callbacks.Callback):
         self.history: list[dict[str, Any]] = []
         self._probes: dict[int, _Probe] = {}
         # The weights as the optimizer's variable (before clipping), and the
-        # step of the copy of `optimizer` that moves them, both made on the
-        # host thread.
+        # step of the copy of `optimizer` that moves them, both made through
+        # `backend.outside_distribution`.
         self._weights = self._apply = None
 
     def set_model(self, model: keras.Model) -> None:
