@@ -36,10 +36,13 @@ ENV = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "
 WORKER_ENV = {**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 
-def _report(result):
-    code, out, err = result
-    assert code == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+def _reports(results):
+    """Each process's JSON report. On a failure, every failed process's exit
+    status and the tail of its stderr: the launcher kills the others when
+    one fails (status -9), so the cause is the one with a status > 0."""
+    failed = [f"process {i}: exit status {code}\n{err[-2000:]}" for i, (code, _, err) in enumerate(results) if code]
+    assert not failed, "\n\n".join(failed)
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
 
 
 def _assert_equal_to_one_process(one, first, second):
@@ -63,8 +66,8 @@ def test_two_processes_of_two_devices_equal_one_process():
     workers = processes.run(
         [["tests.multiprocess_run", "worker", str(port), str(i), "2"] for i in range(2)], env=WORKER_ENV
     )
-    first, second = (_report(r) for r in workers)
-    (one,) = (_report(r) for r in processes.run([["tests.multiprocess_run", "one"]], env=ENV))
+    first, second = _reports(workers)
+    (one,) = _reports(processes.run([["tests.multiprocess_run", "one"]], env=ENV))
     assert (one.pop("devices"), first.pop("devices"), second.pop("devices")) == (1, 4, 4)
     for key in (
         "history/obj/l1",
@@ -87,8 +90,8 @@ def test_two_multiworker_mirrored_workers_in_a_custom_loop_equal_one_process():
     env = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
     ports = [str(p) for p in processes.free_ports(2)]
     workers = processes.run([["tests.multiworker_run", "worker", *ports, str(i)] for i in range(2)], env=env)
-    first, second = (_report(r) for r in workers)
-    (one,) = (_report(r) for r in processes.run([["tests.multiworker_run", "one"]], env=env))
+    first, second = _reports(workers)
+    (one,) = _reports(processes.run([["tests.multiworker_run", "one"]], env=env))
     assert (one.pop("replicas"), first.pop("replicas"), second.pop("replicas")) == (1, 2, 2)
     _assert_equal_to_one_process(one, first, second)
 
@@ -99,8 +102,8 @@ def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
     workers = processes.run(
         [["tests.ddp_run", "worker", port, str(i)] for i in range(2)], env={"KERAS_BACKEND": "torch"}
     )
-    first, second = (_report(r) for r in workers)
-    (one,) = (_report(r) for r in processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
+    first, second = _reports(workers)
+    (one,) = _reports(processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
     _assert_equal_to_one_process(one, first, second)
 
 
