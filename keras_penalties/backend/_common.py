@@ -101,19 +101,20 @@ def increment(variable):
     variable.assign(variable.value + 1)
 
 
-def famo_step(logits, moments, step, delta, learning_rate, gamma):
+def famo_step(logits, moments, step, delta, learning_rate, gamma, math=ops):
     """One FAMO update of the logits ξ from δ = log Dₜ₋₁ − log Dₜ, the
     change of the log-losses since the previous step, through softmax's
     Jacobian, d = z ⊙ (δ − z·δ), as the logits' gradient, plus γ·ξ; then
     Adam step `step` (≥ 1). Returns the new logits and moments (m, v
-    stacked)."""
-    z = ops.softmax(logits)
-    gradient = z * (delta - ops.sum(z * delta)) + gamma * logits
+    stacked). `math` gives softmax (last axis), sum, power, sqrt and stack:
+    Keras' ops, or a backend's own calls."""
+    z = math.softmax(logits)
+    gradient = z * (delta - math.sum(z * delta)) + gamma * logits
     m = 0.9 * moments[0] + 0.1 * gradient
     v = 0.999 * moments[1] + 0.001 * gradient * gradient
-    m_hat = m / (1.0 - ops.power(0.9, step))
-    v_hat = v / (1.0 - ops.power(0.999, step))
-    return logits - learning_rate * m_hat / (ops.sqrt(v_hat) + 1e-8), ops.stack([m, v])
+    m_hat = m / (1.0 - math.power(0.9, step))
+    v_hat = v / (1.0 - math.power(0.999, step))
+    return logits - learning_rate * m_hat / (math.sqrt(v_hat) + 1e-8), math.stack([m, v])
 
 
 def assign_all(pairs):
@@ -215,8 +216,7 @@ def optimizer_step(optimizer, variables):
     optimizer.build(variables)
 
     def step(values, grads):
-        for variable, value in zip(variables, values):
-            variable.assign(value)
+        assign_all(zip(variables, values))
         optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
         return [ops.copy(variable.value) for variable in variables]
 

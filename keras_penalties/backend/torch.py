@@ -1,5 +1,7 @@
 """PyTorch: `torch.autograd.grad`; Keras has no torch distribution."""
 
+import types
+
 import keras
 import torch
 
@@ -169,13 +171,12 @@ def famo_step(logits, moments, step, delta, learning_rate, gamma):
     torch's own calls: on these few-element tensors Keras' dispatch of each
     op costs more than its math (25 µs of the step's 75, at every training
     step)."""
-    z = torch.softmax(logits, dim=-1)
-    gradient = z * (delta - torch.sum(z * delta)) + gamma * logits
-    m = 0.9 * moments[0] + 0.1 * gradient
-    v = 0.999 * moments[1] + 0.001 * gradient * gradient
-    m_hat = m / (1.0 - torch.pow(0.9, step))
-    v_hat = v / (1.0 - torch.pow(0.999, step))
-    return logits - learning_rate * m_hat / (torch.sqrt(v_hat) + 1e-8), torch.stack([m, v])
+    return _common.famo_step(logits, moments, step, delta, learning_rate, gamma, math=_TORCH_MATH)
+
+
+_TORCH_MATH = types.SimpleNamespace(
+    softmax=lambda x: torch.softmax(x, dim=-1), sum=torch.sum, power=torch.pow, sqrt=torch.sqrt, stack=torch.stack
+)
 
 
 def assign_all(pairs):
