@@ -4,10 +4,11 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from scipy import special
 
 from keras_penalties import ops as P
 from keras_penalties.gradients import gradient_penalty, input_gradient, interpolated_gradient_penalty
-from tests.testing import to_numpy
+from tests.testing import central_difference, float64_scope, to_numpy
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(6, 3)).astype(np.float32)
@@ -60,6 +61,29 @@ def test_zero_gradient_is_nan_free():
     np.testing.assert_allclose(to_numpy(gradient_penalty(constant, x)), 1.0)
     outer = input_gradient(lambda t: gradient_penalty(constant, t), x)
     assert np.all(np.isfinite(to_numpy(outer)))
+
+
+def test_penalty_of_a_kl_to_a_frozen_teacher_and_its_gradient():
+    """Double backprop through KL(p‖softmax(x)) with p held constant, the
+    path where torch forms the product in place in log p − log q: the
+    gradient is softmax(x) − p a row, the penalty (‖softmax(x) − p‖ − 1)²
+    on average, and its own gradient matches central differences of that
+    closed form (float64)."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4, 6)) * 2.0
+    p = special.softmax(rng.normal(size=(4, 6)), axis=-1)
+
+    def closed_form(x):
+        return np.mean((np.linalg.norm(special.softmax(x, axis=-1) - p, axis=-1) - 1.0) ** 2)
+
+    with float64_scope():
+        teacher = ops.convert_to_tensor(p)
+        kl = lambda t: P.kl_divergence(teacher, t, from_logits=False, reduction="none")  # noqa: E731
+        critic = lambda t: kl(ops.softmax(t, axis=-1))  # noqa: E731
+        penalty = lambda t: gradient_penalty(critic, t)  # noqa: E731
+        np.testing.assert_allclose(to_numpy(penalty(ops.convert_to_tensor(x))), closed_form(x), rtol=1e-9)
+        outer = to_numpy(input_gradient(penalty, ops.convert_to_tensor(x)))
+    np.testing.assert_allclose(outer, central_difference(closed_form, x), rtol=1e-6, atol=1e-9)
 
 
 def test_interpolated_penalty_is_reproducible_and_interpolates():

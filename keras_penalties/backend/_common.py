@@ -36,6 +36,11 @@ def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
     return beta * ops.sum(p * (logp - logm), axis=axis) + (1.0 - beta) * ops.sum(q * (logq - logm), axis=axis)
 
 
+def kl_rows(p, logp, logq, axis):
+    """Σ p (log p − log q) along `axis`."""
+    return ops.sum(p * (logp - logq), axis=axis)
+
+
 def pick_labels(values, labels, axis):
     """values[..., labels[...], ...] along `axis`: each position's entry at
     its integer label (`labels` has `values`' shape without `axis`)."""

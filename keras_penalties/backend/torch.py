@@ -259,6 +259,17 @@ def js_rows(p, logp, q, logq, beta, axis, reuse=(False, False)):
     return beta * from_p.mul_(p).sum(axis) + (1.0 - beta) * from_q.mul_(q).sum(axis)
 
 
+def kl_rows(p, logp, logq, axis):
+    """As `_common.kl_rows`; where `p` is not differentiated (a teacher's),
+    the product is formed in place in the fresh log p − log q (whose own
+    gradient needs only p), one tensor of the rows' size fewer: a KL
+    chunk's peak (bench/results/README.md). The same bits: p·d = d·p."""
+    difference = logp - logq
+    if (torch.is_grad_enabled() and p.requires_grad) or _transform_active():
+        return torch.sum(p * difference, dim=axis)
+    return torch.sum(difference.mul_(p), dim=axis)
+
+
 def _transform_active():
     """Whether a `torch.func` transform (`vmap`, which Keras'
     `ops.vectorized_map` uses on torch, `grad`, `jvp`, ...) is running

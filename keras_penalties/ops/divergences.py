@@ -49,11 +49,6 @@ def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_ran
     return check.check_axis("axis", axis, max(len(p.shape), 1))
 
 
-def _kl_from_log(p: Tensor, logp: Tensor, logq: Tensor, axis: int) -> Tensor:
-    """Σ p (log p − log q) along `axis`."""
-    return backend.reduce_sum(p * (logp - logq), axis=axis)
-
-
 @check.options(direction=check.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def kl_divergence(
     p: TensorLike | LinearLogits,
@@ -126,13 +121,13 @@ def _kl_values(
     # other would cost a pass over the tensor outside jit.
     if direction == "forward":
         p, logp = num.probs_and_log_probs(p, **kw)
-        return _kl_from_log(p, logp, num.log_probs(q, **kw), axis)
+        return backend.kl_rows(p, logp, num.log_probs(q, **kw), axis)
     if direction == "reverse":
         q, logq = num.probs_and_log_probs(q, **kw)
-        return _kl_from_log(q, logq, num.log_probs(p, **kw), axis)
+        return backend.kl_rows(q, logq, num.log_probs(p, **kw), axis)
     p, logp = num.probs_and_log_probs(p, **kw)
     q, logq = num.probs_and_log_probs(q, **kw)
-    return 0.5 * (_kl_from_log(p, logp, logq, axis) + _kl_from_log(q, logq, logp, axis))
+    return 0.5 * (backend.kl_rows(p, logp, logq, axis) + backend.kl_rows(q, logq, logp, axis))
 
 
 def _js_values(p: Tensor, q: Tensor, *, from_logits: bool, temperature: float, axis: int, beta: float = 0.5) -> Tensor:
@@ -293,7 +288,7 @@ def consistency(
     if metric == "kl":
         pa, loga = num.probs_and_log_probs(a, from_logits=from_logits, temperature=1.0, axis=axis)
         pb, logb = num.probs_and_log_probs(b, from_logits=from_logits, temperature=1.0, axis=axis)
-        values = 0.5 * (_kl_from_log(pa, loga, logb, axis) + _kl_from_log(pb, logb, loga, axis))
+        values = 0.5 * (backend.kl_rows(pa, loga, logb, axis) + backend.kl_rows(pb, logb, loga, axis))
     elif metric == "js":
         values = _js_values(a, b, from_logits=from_logits, temperature=1.0, axis=axis)
     else:
