@@ -17,6 +17,7 @@ from keras_penalties._weighting import (
     check_multiplier,
     check_weighting,
     famo_coefficients,
+    famo_step,
     is_schedule,
     scaled_gradient,
     uncertainty_weights,
@@ -239,11 +240,11 @@ class Composite:
             return self._famo_total(values, update)
 
     def _famo_total(self, values, update):
-        state = self._weight_state
-        frozen = ops.stop_gradient(values)
+        state, math = self._weight_state, backend.SMALL_OPS
+        frozen = math.stop_gradient(values)
         # Each replica's values have the whole batch's as their mean.
         (values_in_sync,) = _replicas.mean_in_sync([frozen])
-        log_losses = ops.log(ops.relu(values_in_sync) + FAMO_EPSILON)
+        log_losses = math.log(math.relu(values_in_sync) + FAMO_EPSILON)
         logits = state.famo_logits.value
         if update:
             steps = state.famo_steps.value
@@ -253,16 +254,17 @@ class Composite:
             # still 0 there, Adam's step is 0 and its moments stay 0 (a
             # non-finite first value makes ξ NaN a step sooner than before).
             first = 0.0**steps
-            logits, moments = backend.famo_step(
+            logits, moments = famo_step(
                 logits,
                 state.famo_moments.value,
                 steps + first,
                 (state.famo_previous.value - log_losses) * (1.0 - first),
                 self.famo_learning_rate,
                 self.famo_gamma,
+                math,
             )
-        inverse_losses = ops.exp(-log_losses)
-        coefficients = famo_coefficients(logits, inverse_losses)
+        inverse_losses = math.exp(-log_losses)
+        coefficients = famo_coefficients(logits, inverse_losses, math)
         weights = coefficients * inverse_losses
         if update:
             backend.assign_all(
@@ -277,7 +279,7 @@ class Composite:
         # The value is the whole batch's; the gradient is Σ wᵢ·∇Lᵢ of this
         # replica's own values, which Keras adds up to the whole batch's.
         own = values - frozen
-        return backend.reduce_sum((coefficients * log_losses + weights * own) * state.term_enabled.value)
+        return math.sum((coefficients * log_losses + weights * own) * state.term_enabled.value)
 
     def _model_across_replicas(self):
         """The model whose add_loss lists a cross-replica sum must keep as

@@ -60,19 +60,34 @@ def check_famo(learning_rate, gamma, weighting):
 
 # FAMO (Liu et al., 2023), as its official implementation (Cranial-XIX/FAMO):
 # the logits' Adam (torch's: β 0.9, 0.999, ε 1e-8, weight decay added to the
-# gradient; `backend.famo_step`), its learning rate and weight decay, and the
+# gradient; `famo_step`), its learning rate and weight decay, and the
 # ε added to each loss.
 FAMO_DEFAULTS = (0.025, 0.01)
 FAMO_EPSILON = 1e-8
 
 
-def famo_coefficients(logits, inverse_losses):
+def famo_step(logits, moments, step, delta, learning_rate, gamma, math=ops):
+    """One FAMO update of the logits ξ from δ = log Dₜ₋₁ − log Dₜ, the
+    change of the log-losses since the previous step, through softmax's
+    Jacobian, d = z ⊙ (δ − z·δ), as the logits' gradient, plus γ·ξ; then
+    Adam step `step` (≥ 1). Returns the new logits and moments (m, v
+    stacked). `math`: Keras' ops, or `backend.SMALL_OPS`."""
+    z = math.softmax(logits)
+    gradient = z * (delta - math.sum(z * delta)) + gamma * logits
+    m = 0.9 * moments[0] + 0.1 * gradient
+    v = 0.999 * moments[1] + 0.001 * gradient * gradient
+    m_hat = m / (1.0 - math.power(0.9, step))
+    v_hat = v / (1.0 - math.power(0.999, step))
+    return logits - learning_rate * m_hat / (math.sqrt(v_hat) + 1e-8), math.stack([m, v])
+
+
+def famo_coefficients(logits, inverse_losses, math=ops):
     """FAMO's cᵢzᵢ, z = softmax(ξ), c = (Σⱼ zⱼ/Dⱼ)⁻¹, for the inverse losses
     1/Dᵢ: the model trains on Σ cᵢzᵢ·log Dᵢ (c, z held constant), whose
     gradient is Σ cᵢzᵢ/Dᵢ·∇Lᵢ; cᵢzᵢ/Dᵢ are the effective weights, and they
     sum to 1."""
-    z = ops.softmax(logits)
-    return z / ops.sum(z * inverse_losses)
+    z = math.softmax(logits)
+    return z / math.sum(z * inverse_losses)
 
 
 def uncertainty_weights(log_variances):

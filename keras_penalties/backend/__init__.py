@@ -79,10 +79,10 @@ names, and importing fails if one is defined by neither):
   running values of a composite (in place on torch).
 - `increment(variable)`: variable += 1, for a composite's step count (in
   place on torch).
-- `famo_step(logits, moments, step, delta, learning_rate, gamma)`: one
-  FAMO update of its logits ξ and Adam moments (m, v stacked) from δ, the
-  change of the log-losses since the previous step, at Adam step `step`
-  (≥ 1): `(new logits, new moments)` (torch's own fused ops on torch).
+- `SMALL_OPS`: the calls a composite's update makes on its few-element
+  tensors at every training step (FAMO's): stop_gradient, log, exp, relu,
+  softmax (last axis), sum, power, sqrt and stack; `keras.ops` itself,
+  torch's own calls on torch.
 - `assign_all(pairs)`: each `(variable, value)` pair's variable set to its
   value (a composite's state after a step; in place on torch, in one
   `no_grad` block).
@@ -158,7 +158,7 @@ _NAMES = (
     "stack",
     "add_to_row",
     "increment",
-    "famo_step",
+    "SMALL_OPS",
     "assign_all",
     "reduce_sum",
     "divide_by_count",

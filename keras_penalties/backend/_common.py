@@ -106,20 +106,9 @@ def increment(variable):
     variable.assign(variable.value + 1)
 
 
-def famo_step(logits, moments, step, delta, learning_rate, gamma, math=ops):
-    """One FAMO update of the logits ξ from δ = log Dₜ₋₁ − log Dₜ, the
-    change of the log-losses since the previous step, through softmax's
-    Jacobian, d = z ⊙ (δ − z·δ), as the logits' gradient, plus γ·ξ; then
-    Adam step `step` (≥ 1). Returns the new logits and moments (m, v
-    stacked). `math` gives softmax (last axis), sum, power, sqrt and stack:
-    Keras' ops, or a backend's own calls."""
-    z = math.softmax(logits)
-    gradient = z * (delta - math.sum(z * delta)) + gamma * logits
-    m = 0.9 * moments[0] + 0.1 * gradient
-    v = 0.999 * moments[1] + 0.001 * gradient * gradient
-    m_hat = m / (1.0 - math.power(0.9, step))
-    v_hat = v / (1.0 - math.power(0.999, step))
-    return logits - learning_rate * m_hat / (math.sqrt(v_hat) + 1e-8), math.stack([m, v])
+# The few-element math of a composite's update at every training step: Keras'
+# ops (traced once on JAX and TF).
+SMALL_OPS = ops
 
 
 def assign_all(pairs):

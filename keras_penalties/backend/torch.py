@@ -166,16 +166,18 @@ def increment(variable):
         variable.value.add_(1)
 
 
-def famo_step(logits, moments, step, delta, learning_rate, gamma):
-    """As `_common.famo_step`, the same operations in the same order, in
-    torch's own calls: on these few-element tensors Keras' dispatch of each
-    op costs more than its math (25 µs of the step's 75, at every training
-    step)."""
-    return _common.famo_step(logits, moments, step, delta, learning_rate, gamma, math=_TORCH_MATH)
-
-
-_TORCH_MATH = types.SimpleNamespace(
-    softmax=lambda x: torch.softmax(x, dim=-1), sum=torch.sum, power=torch.pow, sqrt=torch.sqrt, stack=torch.stack
+# On eager torch Keras' dispatch of an op on a few-element tensor costs more
+# than its math (FAMO's update: 25 µs of 75 at every training step).
+SMALL_OPS = types.SimpleNamespace(
+    stop_gradient=torch.Tensor.detach,
+    log=torch.log,
+    exp=torch.exp,
+    relu=torch.relu,
+    softmax=lambda x: torch.softmax(x, dim=-1),
+    sum=torch.sum,
+    power=torch.pow,
+    sqrt=torch.sqrt,
+    stack=torch.stack,
 )
 
 
