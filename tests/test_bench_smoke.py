@@ -30,8 +30,34 @@ def test_a_full_run_writes_its_report(tmp_path):
     assert (tmp_path / f"{report['backend']}.md").read_text().startswith("# Benchmarks")
 
 
+def test_memory_only_measures_the_memory_again_and_keeps_the_times(tmp_path, monkeypatch):
+    from bench import native
+
+    run.run(small=True, repeats=1, only="l1 1e+07", output=tmp_path)
+    (before,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
+    calls = []
+
+    def peaks(args, tag, env=None):
+        calls.append((tag, env))
+        return "1000" if "ours" in args else "4000"
+
+    monkeypatch.setattr(run, "_child", peaks)
+    report = run.run(small=True, repeats=1, only=None, output=tmp_path, memory_only=True)
+    (row,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
+    assert row == report["cases"][0] and row["ours"]["median_s"] == before["ours"]["median_s"]
+    assert (row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"], row["memory_ratio"]) == (
+        1000,
+        4000,
+        0.25,
+    )
+    # torch's child maps every large buffer on its own (glibc's threshold
+    # otherwise moves the reading); the others' children run as they are.
+    mapped = {"MALLOC_MMAP_THRESHOLD_": "131072"} if native.BACKEND == "torch" else {}
+    assert calls == [("PEAK", mapped), ("PEAK", mapped)]
+
+
 def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
-    def killed(args, tag):
+    def killed(args, tag, env=None):
         raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
 
     monkeypatch.setattr(run, "_child", killed)
@@ -44,11 +70,11 @@ def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch
 def test_sides_that_do_not_fit_together_are_timed_in_processes_of_their_own(tmp_path, monkeypatch):
     real, calls = run._child, []
 
-    def together_out_of_memory(args, tag):
+    def together_out_of_memory(args, tag, env=None):
         calls.append(args)
         if tag == "TIMES" and "--side" not in args:
             raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
-        return real(args, tag)
+        return real(args, tag, env)
 
     monkeypatch.setattr(run, "_child", together_out_of_memory)
     report = run.run(small=True, repeats=1, only="l1 1e+07", output=tmp_path)
