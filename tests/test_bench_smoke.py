@@ -38,11 +38,12 @@ def test_memory_only_measures_the_memory_again_and_keeps_the_times(tmp_path, mon
     calls = []
 
     def peaks(args, tag, env=None):
-        calls.append((tag, env))
+        calls.append((tag, "--small" in args, env))
         return "1000" if "ours" in args else "4000"
 
     monkeypatch.setattr(run, "_child", peaks)
-    report = run.run(small=True, repeats=1, only=None, output=tmp_path, memory_only=True)
+    # The report's own sizes (small), whatever the command line says.
+    report = run.run(small=False, repeats=1, only=None, output=tmp_path, memory_only=True)
     (row,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
     assert row == report["cases"][0] and row["ours"]["median_s"] == before["ours"]["median_s"]
     assert (row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"], row["memory_ratio"]) == (
@@ -53,7 +54,15 @@ def test_memory_only_measures_the_memory_again_and_keeps_the_times(tmp_path, mon
     # torch's child maps every large buffer on its own (glibc's threshold
     # otherwise moves the reading); the others' children run as they are.
     mapped = {"MALLOC_MMAP_THRESHOLD_": "131072"} if native.BACKEND == "torch" else {}
-    assert calls == [("PEAK", mapped), ("PEAK", mapped)]
+    assert calls == [("PEAK", True, mapped), ("PEAK", True, mapped)]
+
+    def killed(args, tag, env=None):
+        raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
+
+    monkeypatch.setattr(run, "_child", killed)
+    run.run(small=True, repeats=1, only=None, output=tmp_path, memory_only=True)
+    (kept,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
+    assert kept == row  # a child that fails leaves the row as it was
 
 
 def test_a_case_that_fails_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):

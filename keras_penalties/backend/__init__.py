@@ -19,9 +19,9 @@ names, and importing fails if one is defined by neither):
   generalized Jensen-Shannon divergence of each row from its distributions
   and their logs (on torch, where nothing is differentiated, in place in
   whichever of the caller's `logp` and `logq` `reuse` marks as its own).
-- `kl_rows(p, logp, logq, axis)`: Σ p (log p − log q) along `axis` (on
-  torch, where p is not differentiated, the product formed in place in the
-  difference).
+- `kl_rows(p, logp, logq, axis)`: Σ p (log p − log q) along `axis`, all
+  three of one shape and dtype (on torch, where p is not differentiated,
+  the product formed in place in the difference).
 - `pick_labels(values, labels, axis)`: each position's entry of `values`
   at its integer label along `axis` (a gather; on JAX one whose gradient
   is a select that XLA fuses, not a scatter into a zeroed buffer).

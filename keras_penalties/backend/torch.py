@@ -167,7 +167,7 @@ def increment(variable):
 
 
 # On eager torch Keras' dispatch of an op on a few-element tensor costs more
-# than its math (FAMO's update: 25 µs of 75 at every training step).
+# than its math (FAMO's whole update: 162 → 134 µs a training step).
 SMALL_OPS = types.SimpleNamespace(
     stop_gradient=torch.Tensor.detach,
     log=torch.log,
