@@ -460,8 +460,7 @@ def optimizer_step(optimizer, variables):
 
     @functools.partial(tf.function, jit_compile=_cpu_only())
     def run(values, grads):
-        for variable, value in zip(variables, values):
-            variable.assign(value)
+        _common.assign_all(zip(variables, values))
         optimizer.apply(grads, variables)
         return [tf.identity(variable.value) for variable in variables]
 
