@@ -233,31 +233,13 @@ def _judged(row, case, small):
     return row
 
 
-def run(small, repeats, only, output, memory=True, memory_only=False):
+def run(small, repeats, only, output, memory=True):
     """Measures the cases (those whose name contains `only`, if given) and
     rewrites the report after each one, so an interrupted run keeps what it
-    measured. With `only`, the rows replace or join those of the last report.
-    With `memory_only`, only the peak memory of the last report's rows is
-    measured again (their times kept)."""
+    measured. With `only`, the rows replace or join those of the last report."""
     output.mkdir(parents=True, exist_ok=True)
     path = output / f"{native.BACKEND}.json"
     rows = []
-    if memory_only:
-        report = json.loads(path.read_text())
-        for index, case in enumerate(CASES):
-            row = next((r for r in report["cases"] if r["case"] == case.name), None)
-            if row is None or "error" in row or (only and not _selected(case.name, only)):
-                continue
-            try:
-                # At the sizes the report's times were taken at.
-                remeasure_memory(index, report["small"], row)
-            except CaseFailed as error:
-                print(f"{case.name}: memory not read again, the report's kept: {error}", flush=True)
-                continue
-            print(_line(row), flush=True)
-            path.write_text(json.dumps(report, indent=2))
-            (output / f"{native.BACKEND}.md").write_text(markdown(report))
-        return report
     if only and path.exists():
         old = json.loads(path.read_text())
         # Rows keep the number of runs they were measured with.
@@ -269,9 +251,34 @@ def run(small, repeats, only, output, memory=True, memory_only=False):
         row = measure(index, small, repeats, memory)
         print(_line(row), flush=True)
         rows[:] = _merge(rows, [row])
-        path.write_text(json.dumps(report, indent=2))
-        (output / f"{native.BACKEND}.md").write_text(markdown(report))
+        _write(report, output)
     return report
+
+
+def rerun_memory(only, output):
+    """Measures the peak memory of the last report's rows (those whose name
+    contains `only`, if given) again, at the report's own sizes, keeping
+    their times, and rewrites the report after each one. A row whose memory
+    child fails keeps its reading."""
+    report = json.loads((output / f"{native.BACKEND}.json").read_text())
+    rows = {row["case"]: row for row in report["cases"] if "error" not in row}
+    for index, case in enumerate(CASES):
+        if case.name not in rows or (only and not _selected(case.name, only)):
+            continue
+        try:
+            remeasure_memory(index, report["small"], rows[case.name])
+        except CaseFailed as error:
+            print(f"{case.name}: memory not read again, the report's kept: {error}", flush=True)
+            continue
+        print(_line(rows[case.name]), flush=True)
+        _write(report, output)
+    return report
+
+
+def _write(report, output):
+    """The report as `<backend>.json` and `.md` in `output`."""
+    (output / f"{native.BACKEND}.json").write_text(json.dumps(report, indent=2))
+    (output / f"{native.BACKEND}.md").write_text(markdown(report))
 
 
 def _selected(name, only):
@@ -365,7 +372,10 @@ def main():
     if args.memory:
         print("PEAK", peak_memory(int(args.memory[0]), args.memory[1], args.small))
         return
-    run(args.small, args.repeats, args.only, args.output, memory_only=args.memory_only)
+    if args.memory_only:
+        rerun_memory(args.only, args.output)
+        return
+    run(args.small, args.repeats, args.only, args.output)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ def test_memory_only_measures_the_memory_again_and_keeps_the_times(tmp_path, mon
         return "1000" if "ours" in args else "4000"
 
     monkeypatch.setattr(run, "_child", peaks)
-    # The report's own sizes (small), whatever the command line says.
-    report = run.run(small=False, repeats=1, only=None, output=tmp_path, memory_only=True)
+    # At the report's own sizes (small).
+    report = run.rerun_memory(only=None, output=tmp_path)
     (row,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
     assert row == report["cases"][0] and row["ours"]["median_s"] == before["ours"]["median_s"]
     assert (row["ours"]["peak_memory_bytes"], row["reference"]["peak_memory_bytes"], row["memory_ratio"]) == (
@@ -60,7 +60,7 @@ def test_memory_only_measures_the_memory_again_and_keeps_the_times(tmp_path, mon
         raise run.CaseFailed("killed (SIGKILL: out of memory on this machine)")
 
     monkeypatch.setattr(run, "_child", killed)
-    run.run(small=True, repeats=1, only=None, output=tmp_path, memory_only=True)
+    run.rerun_memory(only=None, output=tmp_path)
     (kept,) = json.loads((tmp_path / f"{native.BACKEND}.json").read_text())["cases"]
     assert kept == row  # a child that fails leaves the row as it was
 
