@@ -18,6 +18,7 @@ step's loss averaged over the processes, and the final weights.
 """
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -103,9 +104,14 @@ def main(role, *args):
             "gloo", init_method=f"tcp://localhost:{args[0]}", rank=process, world_size=processes
         )
     results = {**regression(process, processes), **distiller(process, processes)}
-    print(json.dumps(results))
+    print(json.dumps(results), flush=True)
     if processes > 1:
         torch.distributed.destroy_process_group()
+        # Skip the interpreter's finalization: a gloo work thread may still be
+        # releasing the tensors of a finished collective, and doing it while
+        # Python finalizes aborts the process (torch's, pytorch/pytorch#179291).
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
