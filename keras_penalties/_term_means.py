@@ -36,16 +36,14 @@ class RunningSums:
     def variables(self) -> list[Any]:
         return [self.sums, self.counts]
 
-    def add(self, values: Any, training: bool, keep: bool = True) -> None:
-        """Adds one call's values (and 1 to its count); `keep`: for the
-        step's metrics (not in a probe's pass)."""
+    def add(self, values: Any, training: bool) -> None:
+        """Adds one call's values (and 1 to its count), kept for the step's metrics."""
         if backend.traced_outside_scope(values):
             return
         row = _TRAIN if training else _EVAL
         backend.add_to_row(self.sums, row, values)
         backend.add_to_row(self.counts, row, 1.0)
-        if keep:
-            self.kept = backend.keep_for_metrics((self.sums, self.counts))
+        self.kept = backend.keep_for_metrics((self.sums, self.counts))
 
     def means(self) -> Any:
         """Each value's mean since the last reset, a float32 tensor: the

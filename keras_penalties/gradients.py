@@ -206,6 +206,7 @@ def parameter_probe(
     *,
     grad_norms: bool = True,
     variables: Sequence[keras.Variable] | None = None,
+    batched: bool = False,
 ) -> Callable[[Any, Any], tuple[np.ndarray, np.ndarray | None]]:
     """Builds, once, a probe of a model's penalty terms and their gradient norms.
 
@@ -222,7 +223,11 @@ def parameter_probe(
     ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables`, or over
     `variables` (some of them, e.g. one layer's weights) when given (`None`
     when `grad_norms` is false). It is compiled once (jax.jit, tf.function)
-    and leaves no `.grad` on torch tensors.
+    and leaves no `.grad` on torch tensors. With `batched`, where every
+    output reaches `variables` through the same layers (GradNorm's terms,
+    through its shared layer), eager torch takes the gradients in one
+    backward pass batched over the outputs, each node dispatched once: the
+    pass then holds its intermediate gradients once an output.
     """
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
@@ -241,7 +246,7 @@ def parameter_probe(
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
             return outputs_fn(x, y)
 
-    probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms)
+    probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched)
 
     def numpy_probe(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray | None]:
         values, norms = probe(x, y)

@@ -426,7 +426,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
             reported = ops.concatenate([values, ops.stack(metrics)])
         # Keras tells a loss nothing of training: its values count as a
         # training call's (fit resets them before evaluate reads them).
-        self._running.add(reported, training=True, keep=not _capture.active(self))
+        if not _capture.active(self):  # a probe's pass, in a stateless scope, would keep nothing
+            self._running.add(reported, training=True)
         # In a jax.jit of the user's own (no stateless scope) FAMO's state
         # cannot take the trace's values: it stays.
         update = self.weighting == "famo" and training and not backend.traced_outside_scope(values)

@@ -196,7 +196,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
             values = ops.concatenate([values, ops.stack(metric_values)])
         # Under a strategy each replica adds its own values; the variables
         # read as their mean, which is the whole batch's value.
-        self._running.add(values, training, keep=not _capture.active(self))  # a probe's pass keeps nothing
+        if not _capture.active(self):  # a probe's pass, in a stateless scope, would keep nothing
+            self._running.add(values, training)
         return inputs
 
     def _training_model(self):

@@ -80,6 +80,37 @@ def test_probe_function_is_compiled_once():
     assert len(calls) == (3 if BACKEND == "torch" else 1)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["a pass each", "batched"])
+def test_probe_norms_over_some_variables_match_closed_forms(batched):
+    # Outputs through the kernel and bias, through the bias alone, through
+    # another layer's weight only (norm 0 over these) and through nothing.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(3, name="lin")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+    lin, head = model.get_layer("lin"), model.get_layer("head")
+
+    def outputs(x, y):
+        hidden = lin(x)
+        return [
+            keras.ops.sum(keras.ops.square(hidden)),
+            keras.ops.sum(lin.bias * 3.0),
+            keras.ops.sum(head.kernel),
+            keras.ops.sum(keras.ops.square(y)),
+        ]
+
+    probe = gradients.parameter_probe(model, outputs, 4, variables=lin.trainable_weights, batched=batched)
+    values, norms = probe(X, Y)
+    w, b = (to_numpy(v).astype(np.float64) for v in lin.weights)
+    x = X.astype(np.float64)
+    hidden = x @ w + b
+    # Σh²: ∂/∂W = 2xᵀh, ∂/∂b = 2Σₙh; Σ3b: ∂/∂b = 3.
+    square_norm = np.sqrt(np.sum((2 * x.T @ hidden) ** 2) + np.sum((2 * hidden.sum(0)) ** 2))
+    expected_values = [np.sum(hidden**2), 3 * b.sum(), to_numpy(head.kernel).sum(), np.sum(Y.astype(np.float64) ** 2)]
+    np.testing.assert_allclose(values, expected_values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norms, [square_norm, 3 * np.sqrt(3), 0.0, 0.0], rtol=1e-5)
+
+
 def test_monitor_builds_one_probe_per_model():
     model = _linear_model()
     monitor = PenaltyMonitor(probe_data=(X, Y), every_n_batches=1)

@@ -83,7 +83,7 @@ def gradients(fn, tensors):
     return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
     @jax.jit
     def run(trainable_values, other_values, x, y):
         if not grad_norms:

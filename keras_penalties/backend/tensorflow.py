@@ -424,7 +424,7 @@ def gradients(fn, tensors):
     return tape.gradient(y, list(tensors), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
     @tf.function(reduce_retracing=True)
     def run(x, y):
         values_in = [tf.identity(v.value) for v in trainable]

@@ -387,7 +387,7 @@ def _norm(grads):
     return torch.sqrt(torch.sum(torch.stack([sum_of_squares(g.float()) for g in grads])))
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
     def probe(x, y):
         params = [v.value for v in trainable]
         with torch.enable_grad():
@@ -398,17 +398,29 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms):
             values = torch.stack([e.detach() for e in entries])
             if not grad_norms:
                 return values, None
-            norms = []
-            for entry in entries:
+            norms = torch.zeros(len(entries), device=values.device)
+            live = [i for i, entry in enumerate(entries) if entry.requires_grad]
+            if batched and live:
+                # One backward pass, batched over the entries: each node
+                # dispatched once, not once an entry.
+                grads = torch.autograd.grad(
+                    torch.stack([entries[i] for i in live]),
+                    params,
+                    grad_outputs=torch.eye(len(live), device=values.device),
+                    is_grads_batched=True,
+                    allow_unused=True,
+                )
+                squares = [torch.sum(torch.square(g.float()).reshape(len(live), -1), 1) for g in grads if g is not None]
+                if squares:
+                    norms[live] = torch.sqrt(torch.sum(torch.stack(squares), 0))
+                return values, norms
+            for i in live:
                 # Each entry's backward traverses only its own graph, and
                 # autograd.grad leaves no .grad on the parameters.
-                if not entry.requires_grad:
-                    norms.append(torch.zeros((), device=values.device))
-                    continue
-                grads = [
-                    g for g in torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True) if g is not None
-                ]
-                norms.append(_norm(grads) if grads else torch.zeros((), device=values.device))
-        return values, torch.stack(norms).detach()
+                grads = torch.autograd.grad(entries[i], params, retain_graph=True, allow_unused=True)
+                grads = [g for g in grads if g is not None]
+                if grads:
+                    norms[i] = _norm(grads)
+        return values, norms
 
     return probe

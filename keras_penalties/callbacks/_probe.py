@@ -79,10 +79,13 @@ class _Probe:
 
     A composite called several times per pass (a shared encoder on two
     views) gives the mean of its calls (`calls="mean"`, as its logs) or
-    their sum (`calls="sum"`, as it counts in the loss).
+    their sum (`calls="sum"`, as it counts in the loss). `batched`: see
+    `gradients.parameter_probe`.
     """
 
-    def __init__(self, model, composites, *, everything=True, calls="mean", variables=None, grad_norms=True):
+    def __init__(
+        self, model, composites, *, everything=True, calls="mean", variables=None, grad_norms=True, batched=False
+    ):
         self.model = model
         self.composites = list(composites)
         self.calls = calls
@@ -112,7 +115,7 @@ class _Probe:
         self._with_loss = self.has_loss and (everything or any(isinstance(c, CompositeLoss) for c in self.composites))
         size = len(self.term_keys) + 2 * everything
         self._measure = gradients.parameter_probe(
-            model, self._outputs, size, grad_norms=grad_norms, variables=variables
+            model, self._outputs, size, grad_norms=grad_norms, variables=variables, batched=batched
         )
 
     def __call__(self, x, y):

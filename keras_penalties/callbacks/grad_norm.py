@@ -130,8 +130,15 @@ class GradNorm(keras.callbacks.Callback):
         model = self.model  # syncs JAX state
         if id(model) not in self._probes:
             # The terms as they count in the loss: a shared objective's calls summed.
+            # Every term reaches the shared layer through the heads: their
+            # gradients are taken in one batched backward pass (eager torch).
             self._probes[id(model)] = _Probe(
-                model, [self.target], everything=False, calls="sum", variables=list(self.layer.trainable_weights)
+                model,
+                [self.target],
+                everything=False,
+                calls="sum",
+                variables=list(self.layer.trainable_weights),
+                batched=True,
             )
         return self._probes[id(model)]
 
