@@ -227,7 +227,9 @@ def parameter_probe(
     output reaches `variables` through the same layers (GradNorm's terms,
     through its shared layer), eager torch takes the gradients in one
     backward pass batched over the outputs, each node dispatched once: the
-    pass then holds its intermediate gradients once an output.
+    pass then holds its intermediate gradients once an output. Where vmap
+    cannot batch a backward (the chunked ops' loops write in place) it
+    takes a pass an output from then on.
     """
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]

@@ -6,6 +6,7 @@ import pytest
 
 from keras_penalties import CompositeObjective, Term, gradients
 from keras_penalties import losses as L
+from keras_penalties import ops as P
 from keras_penalties import regularizers as R
 from keras_penalties.callbacks import PenaltyMonitor
 from tests.testing import BACKEND, to_numpy
@@ -80,10 +81,13 @@ def test_probe_function_is_compiled_once():
     assert len(calls) == (3 if BACKEND == "torch" else 1)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain ops", "with a chunked entropy"])
 @pytest.mark.parametrize("batched", [False, True], ids=["a pass each", "batched"])
-def test_probe_norms_over_some_variables_match_closed_forms(batched):
+def test_probe_norms_over_some_variables_match_closed_forms(batched, chunked):
     # Outputs through the kernel and bias, through the bias alone, through
-    # another layer's weight only (norm 0 over these) and through nothing.
+    # another layer's weight only (norm 0 over these) and through nothing;
+    # and a chunked entropy, whose backward torch's vmap cannot batch (the
+    # batched probe then takes a pass an output).
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     h = keras.layers.Dense(3, name="lin")(inputs)
@@ -92,23 +96,35 @@ def test_probe_norms_over_some_variables_match_closed_forms(batched):
 
     def outputs(x, y):
         hidden = lin(x)
-        return [
+        values = [
             keras.ops.sum(keras.ops.square(hidden)),
             keras.ops.sum(lin.bias * 3.0),
             keras.ops.sum(head.kernel),
             keras.ops.sum(keras.ops.square(y)),
         ]
+        return values + ([P.entropy(hidden, from_logits=True, chunk_size=5)] if chunked else [])
 
-    probe = gradients.parameter_probe(model, outputs, 4, variables=lin.trainable_weights, batched=batched)
-    values, norms = probe(X, Y)
+    probe = gradients.parameter_probe(model, outputs, 4 + chunked, variables=lin.trainable_weights, batched=batched)
+    for _ in range(2):  # the second call after any fallback
+        values, norms = probe(X, Y)
     w, b = (to_numpy(v).astype(np.float64) for v in lin.weights)
     x = X.astype(np.float64)
     hidden = x @ w + b
-    # Σh²: ∂/∂W = 2xᵀh, ∂/∂b = 2Σₙh; Σ3b: ∂/∂b = 3.
-    square_norm = np.sqrt(np.sum((2 * x.T @ hidden) ** 2) + np.sum((2 * hidden.sum(0)) ** 2))
+
+    def norm(g):  # ‖∂/∂W‖ and ‖∂/∂b‖ together, from ∂/∂hidden
+        return np.sqrt(np.sum((x.T @ g) ** 2) + np.sum(g.sum(0) ** 2))
+
+    # Σh²: ∂/∂h = 2h; Σ3b: ∂/∂b = 3.
     expected_values = [np.sum(hidden**2), 3 * b.sum(), to_numpy(head.kernel).sum(), np.sum(Y.astype(np.float64) ** 2)]
+    expected_norms = [norm(2 * hidden), 3 * np.sqrt(3), 0.0, 0.0]
+    if chunked:
+        # The mean over rows of H = −Σ p log p: ∂H/∂h = −p (log p + H).
+        log_p = hidden - np.log(np.sum(np.exp(hidden), 1, keepdims=True))
+        entropy = -np.sum(np.exp(log_p) * log_p, 1, keepdims=True)
+        expected_values.append(entropy.mean())
+        expected_norms.append(norm(-np.exp(log_p) * (log_p + entropy) / len(x)))
     np.testing.assert_allclose(values, expected_values, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(norms, [square_norm, 3 * np.sqrt(3), 0.0, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
 
 
 def test_monitor_builds_one_probe_per_model():

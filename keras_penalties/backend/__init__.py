@@ -13,8 +13,9 @@ names, and importing fails if one is defined by neither):
   (`outputs(trainable_values, other_values, x, y)`; torch passes None for
   the others' values, which are their variables' own tensors). `batched`:
   the outputs all reach `trainable` through the same layers, and eager
-  torch takes their gradients in one backward pass batched over them
-  (JAX and TF compile the probe and keep a pass an output).
+  torch takes their gradients in one backward pass batched over them, or
+  a pass an output where vmap cannot batch a backward (the chunk loops);
+  JAX and TF compile the probe and keep a pass an output.
 - `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
   the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
   on TF, and on torch below 16 classes), reusing `log_softmax` if given.

@@ -388,6 +388,8 @@ def _norm(grads):
 
 
 def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
+    together = [batched]
+
     def probe(x, y):
         params = [v.value for v in trainable]
         with torch.enable_grad():
@@ -400,20 +402,29 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
                 return values, None
             norms = torch.zeros(len(entries), device=values.device)
             live = [i for i, entry in enumerate(entries) if entry.requires_grad]
-            if batched and live:
-                # One backward pass, batched over the entries: each node
-                # dispatched once, not once an entry.
-                grads = torch.autograd.grad(
-                    torch.stack([entries[i] for i in live]),
-                    params,
-                    grad_outputs=torch.eye(len(live), device=values.device),
-                    is_grads_batched=True,
-                    allow_unused=True,
-                )
-                squares = [torch.sum(torch.square(g.float()).reshape(len(live), -1), 1) for g in grads if g is not None]
-                if squares:
-                    norms[live] = torch.sqrt(torch.sum(torch.stack(squares), 0))
-                return values, norms
+            if together[0] and live:
+                try:
+                    # One backward pass, batched over the entries: each
+                    # node dispatched once, not once an entry.
+                    grads = torch.autograd.grad(
+                        torch.stack([entries[i] for i in live]),
+                        params,
+                        grad_outputs=torch.eye(len(live), device=values.device),
+                        retain_graph=True,
+                        is_grads_batched=True,
+                        allow_unused=True,
+                    )
+                except RuntimeError:
+                    # A backward that vmap cannot batch (the chunk loops'
+                    # in-place writes): a pass an entry, from now on.
+                    together[0] = False
+                else:
+                    rows = [
+                        torch.sum(torch.square(g.float()).reshape(len(live), -1), 1) for g in grads if g is not None
+                    ]
+                    if rows:
+                        norms[live] = torch.sqrt(torch.sum(torch.stack(rows), 0))
+                    return values, norms
             for i in live:
                 # Each entry's backward traverses only its own graph, and
                 # autograd.grad leaves no .grad on the parameters.
