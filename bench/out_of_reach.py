@@ -178,11 +178,11 @@ def gradnorm_floor(small=False, repeats=5):
     Holds if the parts together exceed the row's target (×2). GradNorm's own
     probe is timed beside them."""
     import statistics
-    import time
 
     import keras
 
     from bench import multitask
+    from bench.run import measure_time
     from keras_penalties import gradients
     from keras_penalties.callbacks import GradNorm
 
@@ -193,14 +193,18 @@ def gradnorm_floor(small=False, repeats=5):
 
     steps = 4 if small else 256
     (x, y), _ = multitask.problem(multitask.BATCH * steps)
-    models = {"plain": (multitask.build(), []), "one assignment a batch": (multitask.build(), [AssignOne()])}
-    times = {name: [] for name in models}
-    for _ in range(repeats + 1):
-        for name, (model, callbacks) in models.items():
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=multitask.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
-            times[name].append((time.perf_counter() - start) / steps)
-    step = {name: statistics.median(t[1:]) for name, t in times.items()}
+
+    def fit(callbacks):
+        model = multitask.build()
+        return lambda: model.fit(
+            x, y, batch_size=multitask.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks
+        )
+
+    fits = {"plain": fit([]), "one assignment a batch": fit([AssignOne()]), "per": steps}
+    step = {
+        name: statistics.median(t)
+        for name, t in measure_time(fits, repeats, ("plain", "one assignment a batch")).items()
+    }
     probe_data = (x[: multitask.BATCH], y[: multitask.BATCH])
     gradnorm = GradNorm("tasks", "trunk_2", probe_data=probe_data)
     model = multitask.build()
@@ -218,15 +222,9 @@ def gradnorm_floor(small=False, repeats=5):
         "forward, loss, one gradient": lambda: summed(*gradnorm.probe_data),
         "weights' step": lambda: gradnorm._step_weights(weights, gradient),
     }
-    seconds = {}
-    for name, part in parts.items():
-        part()
-        part_times = []
-        for _ in range(10 if small else 200):
-            start = time.perf_counter()
-            part()
-            part_times.append(time.perf_counter() - start)
-        seconds[name] = statistics.median(part_times)
+    seconds = {
+        name: statistics.median(t) for name, t in measure_time(parts, 10 if small else 200, tuple(parts)).items()
+    }
     plain = step["plain"]
     sync = step["one assignment a batch"] / plain
     floor = sync + (seconds["forward, loss, one gradient"] + seconds["weights' step"]) / plain
