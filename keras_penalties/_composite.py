@@ -177,10 +177,19 @@ class Composite:
         weights = np.asarray(weights, "float32")
         if weights.shape != (len(self.terms),) or not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
             raise ValueError(f"Expected {len(self.terms)} finite weights >= 0; got {weights.tolist()}.")
+        self._assign_weights(weights)
+        self._note_weights(weights)
+
+    def _assign_weights(self, weights):
+        """`_set_weights`' assignments, unchecked (a float32 vector; traceable:
+        GradNorm's probe makes them in its compiled call, then `_note_weights`)."""
         self._weight_state.term_weights.assign(weights)
         if self._scheduled.any():  # every schedule replaced by its number
             self._weight_state.weight_overridden.assign(self._scheduled.astype("float32"))
-        for term, weight in zip(self.terms.values(), weights.tolist()):
+
+    def _note_weights(self, weights):
+        """Each Term's `weight` set to its number in `weights` (NumPy), as the variables hold them."""
+        for term, weight in zip(self.terms.values(), np.asarray(weights, "float32").tolist()):
             term.weight = weight
 
     def enable(self, name: str) -> None:

@@ -207,7 +207,8 @@ def parameter_probe(
     grad_norms: bool = True,
     variables: Sequence[keras.Variable] | None = None,
     batched: bool = False,
-) -> Callable[[Any, Any], tuple[np.ndarray, np.ndarray | None]]:
+    update: tuple[Callable[[Tensor, Tensor], Tensor], Sequence[keras.Variable]] | None = None,
+) -> Callable[[Any, Any], tuple[np.ndarray, ...]]:
     """Builds, once, a probe of a model's penalty terms and their gradient norms.
 
     `outputs_fn(x, y)` is backend-agnostic code that calls the model and
@@ -229,7 +230,12 @@ def parameter_probe(
     backward pass batched over the outputs, each node dispatched once: the
     pass then holds its intermediate gradients once an output. Where vmap
     cannot batch a backward (the chunked ops' loops write in place) it
-    takes a pass an output from then on.
+    takes a pass an output from then on. With `update`, `(fn, state)`,
+    `fn(values, norms)` (backend-agnostic code on the float32 vectors) runs
+    after the measurement in the same compiled call, outside its stateless
+    scope, reading the model's variables as they are and assigning the
+    model's (not `variables`) or those of `state` (the caller's); the probe then
+    gives `(values, norms, result)`, `result` being what `fn` returned.
     """
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]
@@ -248,10 +254,11 @@ def parameter_probe(
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
             return outputs_fn(x, y)
 
-    probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched)
+    probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched, update)
 
-    def numpy_probe(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        values, norms = probe(x, y)
-        return ops.convert_to_numpy(values), None if norms is None else ops.convert_to_numpy(norms)
+    def numpy_probe(x: Any, y: Any) -> tuple[np.ndarray, ...]:
+        values, norms, result = probe(x, y)
+        numpy: tuple[Any, ...] = ops.convert_to_numpy(values), None if norms is None else ops.convert_to_numpy(norms)
+        return numpy if update is None else (*numpy, ops.convert_to_numpy(result))
 
     return numpy_probe

@@ -545,10 +545,11 @@ class _NumpySGD:
         return w - self.lr * g
 
 
-def _gradnorm_oracle(history, alpha, optimizer):
+def _gradnorm_oracle(history, alpha, optimizer, start=(1.0, 1.0)):
     """The weights after each probe, from the probes' values and norms (SPEC
-    §9): one optimizer step on sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, clip at 0, sum to K."""
-    w, initial, out = np.ones(2), None, []
+    §9): one optimizer step on sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, clip at 0, sum to K;
+    `start`: the weights in use at the first probe."""
+    w, initial, out = np.array(start, np.float64), None, []
     for entry in history:
         values = np.array(list(entry["values"].values()))
         norms = np.array(list(entry["grad_norms"].values()))
@@ -600,10 +601,10 @@ def test_gradnorm_norms_and_updates_follow_the_formula(make, oracle):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
-def test_gradnorm_steps_float32_weights_on_the_host_thread_under_a_mixed_policy(policy):
-    # The caller's thread has a dtype policy to leave: the weights' step runs
-    # on the host thread (under float32 it runs in the caller's, tested
-    # above), and its weights and the batch logs still follow the formula.
+def test_gradnorm_steps_float32_weights_under_a_mixed_policy(policy):
+    # GradNorm's variables are made on the host thread, which has no dtype
+    # policy (under float32 they are made in the caller's, tested above): they
+    # are float32, and the weights and the batch logs still follow the formula.
     keras.utils.set_random_seed(2)
     model = _trainable_model("mse")
     gradnorm = GradNorm("obj", "shared", probe_data=(X[:4], Y[:4]))
@@ -616,6 +617,39 @@ def test_gradnorm_steps_float32_weights_on_the_host_thread_under_a_mixed_policy(
     logged = [[logs["obj/a/weight"], logs["obj/b/weight"]] for logs in batch_logs]
     np.testing.assert_allclose(logged, expected, rtol=1e-6)
     np.testing.assert_allclose(list(model.get_layer("obj").weights_in_use().values()), expected[-1], rtol=1e-6)
+    assert {keras.backend.standardize_dtype(v.dtype) for v in gradnorm._state} == {"float32"}
+
+
+def test_gradnorm_starts_from_a_scheduled_weight_and_replaces_it():
+    # The first probe (after one training step) steps from the schedule's
+    # value at step 1, 3·0.5¹; from then on the weights are GradNorm's, in
+    # the variables the step reads as in the Terms.
+    keras.utils.set_random_seed(2)
+    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
+    inputs = keras.Input((3,))
+    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
+    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4, name="shared")(inputs))))
+    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    gradnorm = GradNorm("obj", "shared", probe_data=(X[:4], Y[:4]))
+    model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[gradnorm])
+    expected = _gradnorm_oracle(gradnorm.history, 1.5, _NumpyAdam(0.025), start=(1.5, 1.0))
+    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-5)
+    np.testing.assert_allclose(list(objective.weights_in_use().values()), expected[-1], rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(objective.effective_weights()), expected[-1], rtol=1e-6)
+    np.testing.assert_allclose([t.weight for t in objective.terms.values()], expected[-1], rtol=1e-6)
+
+
+def test_gradnorm_raises_on_weights_that_are_not_finite_and_leaves_them_as_they_were():
+    # A step so large that the weight pulled up overflows to inf: clipped and
+    # renormalised, it is inf·0 (the other is pushed below 0, clipped to 0).
+    keras.utils.set_random_seed(2)
+    model = _trainable_model("mse")
+    gradnorm = GradNorm("obj", "shared", optimizer=keras.optimizers.SGD(3e38), probe_data=X[:4])
+    with pytest.raises(ValueError, match="GradNorm's new weights for 'obj' are not finite"):
+        model.fit(X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[gradnorm])
+    objective = model.get_layer("obj")
+    assert objective.weights_in_use() == {"a": 1.0, "b": 1.0}
+    assert [t.weight for t in objective.terms.values()] == [1.0, 1.0] and gradnorm.history == []
 
 
 def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_ones():

@@ -8,14 +8,20 @@ names, and importing fails if one is defined by neither):
 
 - `gradients(fn, tensors)`: gradients of the scalar `fn(*tensors)` w.r.t.
   each tensor, kept differentiable (double backprop).
-- `parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False)`:
+- `parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False, update=None)`:
   compiles, once, values and per-output gradient norms w.r.t. `trainable`
   (`outputs(trainable_values, other_values, x, y)`; torch passes None for
-  the others' values, which are their variables' own tensors). `batched`:
-  the outputs all reach `trainable` through the same layers, and eager
-  torch takes their gradients in one backward pass batched over them, or
-  a pass an output where vmap cannot batch a backward (the chunk loops);
-  JAX and TF compile the probe and keep a pass an output.
+  the others' values, which are their variables' own tensors); `probe(x,
+  y)` gives `(values, norms, result)`. `batched`: the outputs all reach
+  `trainable` through the same layers, and eager torch takes their
+  gradients in one backward pass batched over them, or a pass an output
+  where vmap cannot batch a backward (the chunk loops); JAX and TF compile
+  the probe and keep a pass an output. `update`: `(fn, state)`;
+  `result = fn(values, norms)` runs after the measurement, in the same
+  compiled call, outside its stateless scope, and what it assigns to the
+  model's variables other than `trainable`, or to `state` (variables of the
+  caller's), stays assigned (JAX reads every variable through a scope and
+  assigns after the call); result None without it.
 - `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
   the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
   on TF, and on torch below 16 classes), reusing `log_softmax` if given.
@@ -118,16 +124,12 @@ names, and importing fails if one is defined by neither):
   themselves everywhere else.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
-- `optimizer_step(optimizer, variables)`: builds `optimizer` for
-  `variables` and returns `step(values, grads)`, which sets them to
-  `values`, applies one step of it and returns their new values, in one
-  compiled call where the backend compiles (GradNorm's weights).
 - `outside_distribution(fn)`: `fn()` run where no `tf.distribute`
   strategy, Keras distribution or dtype policy set in the caller's thread
   is in effect (its result returned, its exception raised): on the
   package's one host thread if one is, else here: values are whole, as on
-  one device, and losses unscaled (the probe on TF, GradNorm's optimizer
-  step on every backend).
+  one device, and losses unscaled (the probe on TF, GradNorm's weights
+  and their optimizer on every backend).
 """
 
 import importlib
@@ -174,7 +176,6 @@ _NAMES = (
     "replicas_in_sync",
     "sum_over_replicas",
     "loss_replicas",
-    "optimizer_step",
     "outside_distribution",
 )
 

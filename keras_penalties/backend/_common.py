@@ -204,19 +204,6 @@ def loss_replicas():
     return 1
 
 
-def optimizer_step(optimizer, variables):
-    """`step(values, grads)`: the variables set to `values`, then
-    `optimizer.apply(grads, variables)`, eagerly; returns their new values."""
-    optimizer.build(variables)
-
-    def step(values, grads):
-        assign_all(zip(variables, values))
-        optimizer.apply([ops.convert_to_tensor(g) for g in grads], variables)
-        return [ops.copy(variable.value) for variable in variables]
-
-    return step
-
-
 def outside_distribution(fn, in_strategy=False):
     """`fn()` run on the package's one host thread ("keras_penalties_host",
     started on first use), its result returned and its exception raised.

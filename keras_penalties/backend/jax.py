@@ -4,6 +4,7 @@ one global (sharded) array, so every step sees the whole batch."""
 import functools
 
 import jax
+import keras
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from keras import ops
@@ -83,9 +84,11 @@ def gradients(fn, tensors):
     return list(jax.grad(lambda ts: fn(*ts))(list(tensors)))
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
-    @jax.jit
-    def run(trainable_values, other_values, x, y):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False, update=None):
+    fn, state = update or (None, [])
+    written = [*others, *state]
+
+    def measure(trainable_values, other_values, x, y):
         if not grad_norms:
             return ops.stack(outputs(trainable_values, other_values, x, y)), None
 
@@ -103,26 +106,28 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
             norms.append(norm(grads))
         return values, ops.stack(norms)
 
+    @jax.jit
+    def run(trainable_values, other_values, state_values, x, y):
+        values, norms = measure(trainable_values, other_values, x, y)
+        if fn is None:
+            return values, norms, None, []
+        # The update reads every variable through a scope, which collects
+        # what it assigns: the new values, assigned below.
+        mapping = [*zip(trainable, trainable_values), *zip(others, other_values), *zip(state, state_values)]
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            result = fn(values, norms)
+        return values, norms, result, [scope.get_current_value(v) for v in written]
+
     def probe(x, y):
-        return run([v.value for v in trainable], [v.value for v in others], x, y)
+        values, norms, result, new = run(
+            [v.value for v in trainable], [v.value for v in others], [v.value for v in state], x, y
+        )
+        for variable, value in zip(written, new):
+            if value is not None:
+                variable.assign(value)
+        return values, norms, result
 
     return probe
-
-
-def optimizer_step(optimizer, variables):
-    """One jitted `stateless_apply` from `values` (eagerly, Keras' `apply`
-    runs each of its ops as its own dispatch); the new values are assigned
-    back."""
-    optimizer.build(variables)
-    run = jax.jit(optimizer.stateless_apply)
-
-    def step(values, grads):
-        new, state = run([v.value for v in optimizer.variables], list(grads), list(values))
-        for variable, value in zip(list(variables) + list(optimizer.variables), list(new) + list(state)):
-            variable.assign(value)
-        return new
-
-    return step
 
 
 def map_chunks(fn, chunks, dtype):

@@ -424,7 +424,9 @@ def gradients(fn, tensors):
     return tape.gradient(y, list(tensors), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False, update=None):
+    fn, _ = update or (None, [])
+
     @tf.function(reduce_retracing=True)
     def run(x, y):
         values_in = [tf.identity(v.value) for v in trainable]
@@ -432,12 +434,13 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(values_in)
             entries = outputs(values_in, other_values, x, y)
-        values = tf.stack(entries)
-        if not grad_norms:
-            return values, None
-        # Each entry's gradient traverses only the ops it depends on.
-        zero = tf.UnconnectedGradients.ZERO
-        return values, tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
+        values, norms = tf.stack(entries), None
+        if grad_norms:
+            # Each entry's gradient traverses only the ops it depends on.
+            zero = tf.UnconnectedGradients.ZERO
+            norms = tf.stack([norm(tape.gradient(e, values_in, unconnected_gradients=zero)) for e in entries])
+        # The update assigns its variables in the same call (eager TF makes each op a call).
+        return values, norms, None if fn is None else fn(values, norms)
 
     def probe(x, y):
         # Under a strategy on the host thread (whole values, as one device); else here, as the caller runs.
@@ -451,20 +454,6 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
 def outside_distribution(fn):
     """As `_common.outside_distribution`, leaving a strategy's scope too."""
     return _common.outside_distribution(fn, in_strategy=tf.distribute.has_strategy() or not tf.executing_eagerly())
-
-
-def optimizer_step(optimizer, variables):
-    """The assignments, `apply` and the reads in one call (eager TF makes each
-    op a call), compiled by XLA where TF sees only CPUs, as the chunks are."""
-    optimizer.build(variables)
-
-    @functools.partial(tf.function, jit_compile=_cpu_only())
-    def run(values, grads):
-        _common.assign_all(zip(variables, values))
-        optimizer.apply(grads, variables)
-        return [tf.identity(variable.value) for variable in variables]
-
-    return lambda values, grads: run(list(values), list(grads))
 
 
 def softmax_pair(logits, axis, log_softmax=None):

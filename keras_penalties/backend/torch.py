@@ -387,10 +387,18 @@ def _norm(grads):
     return torch.sqrt(torch.sum(torch.stack([sum_of_squares(g.float()) for g in grads])))
 
 
-def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False):
+def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False, update=None):
     together = [batched]
+    fn, _ = update or (None, [])
 
     def probe(x, y):
+        values, norms = measure(x, y)
+        if fn is None:
+            return values, norms, None
+        with torch.no_grad():
+            return values, norms, fn(values, norms)
+
+    def measure(x, y):
         params = [v.value for v in trainable]
         with torch.enable_grad():
             # Every other variable's tensor is its own: mapping it in the

@@ -79,12 +79,21 @@ class _Probe:
 
     A composite called several times per pass (a shared encoder on two
     views) gives the mean of its calls (`calls="mean"`, as its logs) or
-    their sum (`calls="sum"`, as it counts in the loss). `batched`: see
-    `gradients.parameter_probe`.
+    their sum (`calls="sum"`, as it counts in the loss). `batched` and
+    `update`: see `gradients.parameter_probe`.
     """
 
     def __init__(
-        self, model, composites, *, everything=True, calls="mean", variables=None, grad_norms=True, batched=False
+        self,
+        model,
+        composites,
+        *,
+        everything=True,
+        calls="mean",
+        variables=None,
+        grad_norms=True,
+        batched=False,
+        update=None,
     ):
         self.model = model
         self.composites = list(composites)
@@ -115,12 +124,12 @@ class _Probe:
         self._with_loss = self.has_loss and (everything or any(isinstance(c, CompositeLoss) for c in self.composites))
         size = len(self.term_keys) + 2 * everything
         self._measure = gradients.parameter_probe(
-            model, self._outputs, size, grad_norms=grad_norms, variables=variables, batched=batched
+            model, self._outputs, size, grad_norms=grad_norms, variables=variables, batched=batched, update=update
         )
 
     def __call__(self, x, y):
         """`(values, norms)`, NumPy vectors in `keys` order (norms None
-        without `grad_norms`)."""
+        without `grad_norms`), and the update's result with `update`."""
         return self._measure(x, y)
 
     def _outputs(self, x, y):

@@ -9,7 +9,7 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import Logs
+from keras_penalties._types import Logs, Tensor, TensorLike
 from keras_penalties.callbacks._probe import _Probe, _probe_batch
 from keras_penalties.callbacks._targets import (
     _add_to_model,
@@ -60,7 +60,10 @@ class GradNorm(keras.callbacks.Callback):
 
     It overrides `on_train_batch_end` (the weights must be set before the
     next step), so while it is among the callbacks Keras dispatches batch
-    ends synchronously.
+    ends synchronously. The weights' step, clipping and assignment run in
+    the probe's own compiled call (one call a probe). New weights that are
+    not finite (an overflowing step) raise a `ValueError`, leaving the
+    weights as they were.
 
     Attributes:
         history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
@@ -101,10 +104,10 @@ class GradNorm(keras.callbacks.Callback):
         self.layer: Any = None
         self.history: list[dict[str, Any]] = []
         self._probes: dict[int, _Probe] = {}
-        # The weights as the optimizer's variable (before clipping), and the
-        # step of the copy of `optimizer` that moves them, both made through
-        # `backend.outside_distribution`.
-        self._weights = self._apply = None
+        # GradNorm's own variables (made through `backend.outside_distribution`,
+        # see `_new_state`) and the copy of `optimizer` that steps the weights.
+        self._state: list[keras.Variable] = []
+        self._stepper: Any = None
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
@@ -128,10 +131,14 @@ class GradNorm(keras.callbacks.Callback):
 
     def _probe(self):
         model = self.model  # syncs JAX state
+        if not self._state or self._state[0].shape[0] != len(self.target.terms):
+            self._new_state(len(self.target.terms))
+            self._probes = {}
         if id(model) not in self._probes:
             # The terms as they count in the loss: a shared objective's calls summed.
             # Every term reaches the shared layer through the heads: their
             # gradients are taken in one batched backward pass (eager torch).
+            # The weights' step runs in the probe's own compiled call.
             self._probes[id(model)] = _Probe(
                 model,
                 [self.target],
@@ -139,56 +146,74 @@ class GradNorm(keras.callbacks.Callback):
                 calls="sum",
                 variables=list(self.layer.trainable_weights),
                 batched=True,
+                update=(self._update, self._state + list(self._stepper.variables)),
             )
         return self._probes[id(model)]
 
-    def _step_weights(self, weights, gradient):
-        """One step of the optimizer from `weights` along `gradient` (NumPy).
+    def _new_state(self, count):
+        """The weights the optimizer steps, the first probe's values Lᵢ(0)
+        and whether the next probe is a fit's first, with the copy of
+        `optimizer` that steps the weights (its state lasts across fits).
 
-        It runs through `backend.outside_distribution`, on the package's
-        host thread where a distribution or a dtype policy is in effect:
-        Keras' and TF's distribution and dtype-policy state is per thread,
-        so the weights and the optimizer's state are plain float32
-        variables there even while `fit` runs inside a `tf.distribute`
-        scope (where an optimizer applied from a callback has no replica
-        context) or a Keras distribution."""
+        They are made through `backend.outside_distribution`, on the
+        package's host thread where a distribution or a dtype policy is in
+        effect: Keras' and TF's distribution and dtype-policy state is per
+        thread, so they are plain float32 variables even while `fit` runs
+        inside a `tf.distribute` scope (where an optimizer applied from a
+        callback has no replica context; TF's probe runs on that thread
+        there) or a Keras distribution."""
 
-        def step():
-            if self._weights is None or tuple(self._weights.shape) != weights.shape:
-                self._weights = keras.Variable(
-                    weights.astype("float32"), dtype="float32", trainable=True, name="gradnorm_weights"
-                )
-                # A copy built here: one made in a strategy scope applies only there.
-                stepper = type(self.optimizer).from_config(self.optimizer.get_config())
-                self._apply = backend.optimizer_step(stepper, [self._weights])
-            (new,) = self._apply([weights.astype("float32")], [gradient.astype("float32")])
-            return np.asarray(ops.convert_to_numpy(new), "float64")
+        def make():
+            ones = np.ones(count, "float32")
+            self._state = [
+                keras.Variable(ones, dtype="float32", name="gradnorm_weights"),
+                keras.Variable(ones, dtype="float32", trainable=False, name="gradnorm_initial_values"),
+                keras.Variable(1.0, dtype="float32", trainable=False, name="gradnorm_first_probe"),
+            ]
+            # A copy built here: one made in a strategy scope applies only there.
+            self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
+            self._stepper.build(self._state[:1])
 
-        return backend.outside_distribution(step)
+        backend.outside_distribution(make)
+
+    def _update(self, values, norms):
+        """The probe's update, inside its compiled call: one step of the
+        optimizer from the weights in use, clipped, renormalised and set
+        (kept as they were if not finite; `on_train_batch_end` raises)."""
+        weights, initial, first = self._state
+        initial.assign(ops.where(first.value > 0.5, values, initial.value))
+        first.assign(0.0)
+        in_use = ops.cast(self.target.current_weights(), "float32")
+        weights.assign(in_use)
+        self._stepper.apply([gradnorm_gradient(in_use, values, norms, initial.value, self.alpha)], [weights])
+        new = clip_and_renormalise(weights.value)
+        self.target._assign_weights(ops.where(ops.all(ops.isfinite(new)), new, in_use))
+        return new
 
     def on_train_begin(self, logs: Logs = None) -> None:
         self._step = 0
-        self._initial: np.ndarray | None = None
+        if self._state:  # Lᵢ(0) is the first probe of each fit
+            backend.outside_distribution(lambda: self._state[2].assign(1.0))
 
     def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         self._step += 1
         if self._step % self.every_n_batches:
             return
-        values, norms = self._probe()(*self.probe_data)
+        values, norms, new = self._probe()(*self.probe_data)
+        if not np.all(np.isfinite(new)):
+            raise ValueError(
+                f"GradNorm's new weights for {self.target.name!r} are not finite: {new.tolist()} "
+                f"(term values {values.tolist()}, gradient norms {norms.tolist()}); the weights were left as they were."
+            )
+        self.target._note_weights(new)
         values, norms = np.asarray(values, "float64"), np.asarray(norms, "float64")
-        if self._initial is None:
-            self._initial = values
-        weights = np.array(list(self.target.weights_in_use().values()), "float64")
-        gradient = gradnorm_gradient(weights, values, norms, self._initial, self.alpha)
-        new = clip_and_renormalise(self._step_weights(weights, gradient))
-        self.target._set_weights(new)
         names = list(self.target.terms)
         self.history.append(
             {
                 "step": self._step,
                 "values": dict(zip(names, values.tolist())),
                 "grad_norms": dict(zip(names, norms.tolist())),
-                "weights": dict(zip(names, new.tolist())),
+                "weights": dict(zip(names, np.asarray(new, "float64").tolist())),
             }
         )
         _log_weights(self.target, logs, new)
@@ -216,18 +241,37 @@ def _own_optimizer(optimizer):
 
 
 def gradnorm_gradient(
-    weights: np.ndarray, values: np.ndarray, norms: np.ndarray, initial: np.ndarray, alpha: float
-) -> np.ndarray:
-    """∂L_grad/∂wᵢ = sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ (NumPy, float64), as `GradNorm` documents."""
+    weights: TensorLike, values: TensorLike, norms: TensorLike, initial: TensorLike, alpha: float
+) -> Tensor:
+    """∂L_grad/∂wᵢ = sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, as `GradNorm` documents (float32).
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.callbacks import gradnorm_gradient
+    >>> # G = (1, 3), Ḡ = 2, equal loss ratios: the first term is pulled up
+    >>> ops.convert_to_numpy(gradnorm_gradient([1.0, 1.0], [2.0, 2.0], [1.0, 3.0], [1.0, 1.0], 1.5)).tolist()
+    [-1.0, 3.0]
+    """
+    weights, values, norms, initial = (ops.cast(t, "float32") for t in (weights, values, norms, initial))
     weighted = weights * norms
-    ratios = np.divide(values, initial, out=np.ones_like(values), where=initial != 0)
-    relative = ratios / ratios.mean() if ratios.mean() > 0 else np.ones_like(ratios)
-    goal = weighted.mean() * relative**alpha
-    return np.sign(weighted - goal) * norms
+    known = initial != 0
+    ratios = ops.where(known, values / ops.where(known, initial, 1.0), 1.0)
+    mean = ops.mean(ratios)
+    relative = ops.where(mean > 0, ratios / mean, 1.0)  # values only: no gradient sees the other branch
+    return ops.sign(weighted - ops.mean(weighted) * relative**alpha) * norms
 
 
-def clip_and_renormalise(weights: np.ndarray) -> np.ndarray:
-    """The weights clipped at 0 and rescaled to sum to their count (all 1 if none is left)."""
-    clipped = np.maximum(weights, 0.0)
-    total = clipped.sum()
-    return clipped * len(clipped) / total if total > 0 else np.ones_like(clipped)
+def clip_and_renormalise(weights: TensorLike) -> Tensor:
+    """The weights clipped at 0 and rescaled to sum to their count (all 1 if none is left; float32).
+
+    Example:
+
+    >>> from keras import ops
+    >>> from keras_penalties.callbacks import clip_and_renormalise
+    >>> ops.convert_to_numpy(clip_and_renormalise([3.0, -1.0, 1.0])).tolist()
+    [2.25, 0.0, 0.75]
+    """
+    clipped = ops.relu(ops.cast(weights, "float32"))
+    total = ops.sum(clipped)
+    return ops.where(total > 0, clipped * (clipped.shape[0] / total), 1.0)
