@@ -180,12 +180,17 @@ class Composite:
         self._assign_weights(weights)
         self._note_weights(weights)
 
-    def _assign_weights(self, weights):
+    def _assign_weights(self, weights, when=None):
         """`_set_weights`' assignments, unchecked (a float32 vector; traceable:
-        GradNorm's probe makes them in its compiled call, then `_note_weights`)."""
-        self._weight_state.term_weights.assign(weights)
+        GradNorm's probe makes them in its compiled call, then `_note_weights`);
+        with `when`, a boolean scalar tensor, only if it is true (else every
+        variable keeps its value)."""
+        state = self._weight_state
+        assignments = [(state.term_weights, weights)]
         if self._scheduled.any():  # every schedule replaced by its number
-            self._weight_state.weight_overridden.assign(self._scheduled.astype("float32"))
+            assignments.append((state.weight_overridden, self._scheduled.astype("float32")))
+        for variable, value in assignments:
+            variable.assign(value if when is None else ops.where(when, value, variable.value))
 
     def _note_weights(self, weights):
         """Each Term's `weight` set to its number in `weights` (NumPy), as the variables hold them."""

@@ -639,17 +639,44 @@ def test_gradnorm_starts_from_a_scheduled_weight_and_replaces_it():
     np.testing.assert_allclose([t.weight for t in objective.terms.values()], expected[-1], rtol=1e-6)
 
 
-def test_gradnorm_raises_on_weights_that_are_not_finite_and_leaves_them_as_they_were():
-    # A step so large that the weight pulled up overflows to inf: clipped and
-    # renormalised, it is inf·0 (the other is pushed below 0, clipped to 0).
+@pytest.mark.parametrize("case", ["overflow", "nan"])
+def test_gradnorm_raises_on_weights_that_are_not_finite_and_leaves_them_as_they_were(case):
+    # "overflow": a step so large that both weights overflow to ±inf;
+    # "nan": an infinite probe batch, whose term values and gradient norms
+    # are not finite (before, such a step silently reset the weights to 1).
+    # Term a's schedule stays a schedule: after one training step, 3·0.5¹.
     keras.utils.set_random_seed(2)
-    model = _trainable_model("mse")
-    gradnorm = GradNorm("obj", "shared", optimizer=keras.optimizers.SGD(3e38), probe_data=X[:4])
+    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
+    inputs = keras.Input((3,))
+    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
+    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4, name="shared")(inputs))))
+    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    if case == "overflow":
+        gradnorm = GradNorm("obj", "shared", optimizer=keras.optimizers.SGD(3e38), probe_data=X[:4])
+    else:
+        gradnorm = GradNorm("obj", "shared", probe_data=np.full((4, 3), np.inf, "float32"))
     with pytest.raises(ValueError, match="GradNorm's new weights for 'obj' are not finite"):
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[gradnorm])
-    objective = model.get_layer("obj")
-    assert objective.weights_in_use() == {"a": 1.0, "b": 1.0}
-    assert [t.weight for t in objective.terms.values()] == [1.0, 1.0] and gradnorm.history == []
+    assert objective.weights_in_use() == {"a": 1.5, "b": 1.0}
+    assert objective.terms["a"].weight is schedule and objective.terms["b"].weight == 1.0
+    assert gradnorm.history == []
+
+
+def test_gradnorm_alpha_set_after_a_probe_takes_effect_at_the_next():
+    keras.utils.set_random_seed(2)
+    model = _trainable_model("mse")
+    gradnorm = GradNorm("obj", "shared", alpha=1.5, optimizer=keras.optimizers.SGD(0.1), probe_data=X[:4])
+    model.fit(X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[gradnorm])  # two probes at α = 1.5
+    gradnorm.alpha = 12.0
+    model.fit(X, Y, batch_size=4, epochs=3, verbose=0, callbacks=[gradnorm])  # a new fit: a new Lᵢ(0)
+    with pytest.raises(ValueError, match="`alpha`"):
+        gradnorm.alpha = -1.0
+    first, second = _gradnorm_oracle(gradnorm.history[:2], 1.5, _NumpySGD(0.1)), None
+    second = _gradnorm_oracle(gradnorm.history[2:], 12.0, _NumpySGD(0.1), start=first[-1])
+    got = [list(e["weights"].values()) for e in gradnorm.history]
+    np.testing.assert_allclose(got, np.concatenate([first, second]), rtol=1e-5)
+    # α = 12 pulls the slower term up far harder: the oracle at α = 1.5 differs.
+    assert not np.allclose(second, _gradnorm_oracle(gradnorm.history[2:], 1.5, _NumpySGD(0.1), start=first[-1]))
 
 
 def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_ones():

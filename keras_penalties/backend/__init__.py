@@ -21,7 +21,9 @@ names, and importing fails if one is defined by neither):
   compiled call, outside its stateless scope, and what it assigns to the
   model's variables other than `trainable`, or to `state` (variables of the
   caller's), stays assigned (JAX reads every variable through a scope and
-  assigns after the call); result None without it.
+  assigns, after the call, those `fn` assigned; a variable `fn` reads that
+  is neither the model's nor in `state` would be a constant of the jitted
+  call there); result None without it.
 - `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
   the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
   on TF, and on torch below 16 classes), reusing `log_softmax` if given.
@@ -128,8 +130,8 @@ names, and importing fails if one is defined by neither):
   strategy, Keras distribution or dtype policy set in the caller's thread
   is in effect (its result returned, its exception raised): on the
   package's one host thread if one is, else here: values are whole, as on
-  one device, and losses unscaled (the probe on TF, GradNorm's weights
-  and their optimizer on every backend).
+  one device, and losses unscaled (the probe on TF; GradNorm's weights
+  and their optimizer are made there on every backend).
 """
 
 import importlib

@@ -4,8 +4,8 @@ one global (sharded) array, so every step sees the whole batch."""
 import functools
 
 import jax
-import keras
 import jax.numpy as jnp
+import keras
 from jax.sharding import PartitionSpec
 from keras import ops
 
@@ -115,8 +115,11 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
         # what it assigns: the new values, assigned below.
         mapping = [*zip(trainable, trainable_values), *zip(others, other_values), *zip(state, state_values)]
         with keras.StatelessScope(state_mapping=mapping) as scope:
+            before = [scope.get_current_value(v) for v in written]
             result = fn(values, norms)
-        return values, norms, result, [scope.get_current_value(v) for v in written]
+        # None (known when tracing) for what `fn` left: only what it assigned comes back.
+        after = [scope.get_current_value(v) for v in written]
+        return values, norms, result, [None if new is old else new for old, new in zip(before, after)]
 
     def probe(x, y):
         values, norms, result, new = run(

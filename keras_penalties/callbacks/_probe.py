@@ -1,6 +1,7 @@
 """The probe shared by `PenaltyMonitor` and `GradNorm`: the fixed batch,
-checked; one compiled, stateless measure of term values and gradient norms;
-and the monitor's batch cadence."""
+checked; one compiled, stateless measure of term values and gradient norms
+(and GradNorm's update after it, in the same call); and the monitor's batch
+cadence."""
 
 import keras
 from keras import ops
@@ -71,7 +72,7 @@ class _Cadence:
 class _Probe:
     """One probe of a model, compiled once, shared by `PenaltyMonitor` and
     `GradNorm`: on a fixed batch, in inference mode and changing no state
-    (see `gradients.parameter_probe`), it measures the term values of
+    but what an `update` assigns (see `gradients.parameter_probe`), it measures the term values of
     `composites` and, with `everything`, the model's weight and activity
     regularizers, the compiled loss and the total training loss — in that
     order, as `keys` lists them (then "base_loss", "total") — with each one's

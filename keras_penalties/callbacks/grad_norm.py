@@ -1,5 +1,5 @@
 """`GradNorm`: term weights that balance the terms' gradient norms, stepped
-on every probe by an optimizer of their own; and its NumPy math."""
+on every probe by an optimizer of their own; and its math."""
 
 from typing import Any
 
@@ -27,7 +27,7 @@ class GradNorm(keras.callbacks.Callback):
 
     Every `every_n_batches` training batches it probes `probe_data` (as
     `PenaltyMonitor` does: compiled once, in inference mode, changing no
-    state) for each term's unweighted value Lᵢ and gradient norm
+    state of the model but the weights it sets) for each term's unweighted value Lᵢ and gradient norm
     gᵢ = ‖∇_W termᵢ‖ with respect to all of `layer`'s trainable weights W
     (the last shared layer). As the paper trains them, the weights wᵢ are
     parameters of L_grad = Σᵢ |Gᵢ − Ḡ·rᵢ^α|, with Gᵢ = wᵢ·gᵢ, Ḡ their mean,
@@ -61,9 +61,10 @@ class GradNorm(keras.callbacks.Callback):
     It overrides `on_train_batch_end` (the weights must be set before the
     next step), so while it is among the callbacks Keras dispatches batch
     ends synchronously. The weights' step, clipping and assignment run in
-    the probe's own compiled call (one call a probe). New weights that are
-    not finite (an overflowing step) raise a `ValueError`, leaving the
-    weights as they were.
+    the probe's own call (compiled on JAX and TF: one call a probe). A step
+    that leaves a weight not finite (a term value or gradient norm that is
+    not, or an overflow) raises a `ValueError` and leaves the Terms'
+    weights as they were; GradNorm's optimizer has taken the step.
 
     Attributes:
         history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
@@ -94,7 +95,7 @@ class GradNorm(keras.callbacks.Callback):
         if not (isinstance(layer, keras.layers.Layer) or (isinstance(layer, str) and layer)):
             raise TypeError(f"`layer` must be a Layer of the model or its name; got {layer!r}.")
         self.layer_spec = layer
-        self.alpha = check.non_negative("alpha", alpha)
+        self.alpha = alpha
         self.optimizer = _own_optimizer(optimizer)
         self.every_n_batches = check.positive_integer("every_n_batches", every_n_batches)
         if probe_data is None:
@@ -150,9 +151,20 @@ class GradNorm(keras.callbacks.Callback):
             )
         return self._probes[id(model)]
 
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, alpha: float) -> None:
+        # The compiled probe reads α from a variable: a new value takes effect at the next probe.
+        self._alpha = check.non_negative("alpha", alpha)
+        if getattr(self, "_state", None):
+            backend.outside_distribution(lambda: self._state[3].assign(self._alpha))
+
     def _new_state(self, count):
-        """The weights the optimizer steps, the first probe's values Lᵢ(0)
-        and whether the next probe is a fit's first, with the copy of
+        """The weights the optimizer steps, the first probe's values Lᵢ(0),
+        whether the next probe is a fit's first and α, with the copy of
         `optimizer` that steps the weights (its state lasts across fits).
 
         They are made through `backend.outside_distribution`, on the
@@ -169,6 +181,7 @@ class GradNorm(keras.callbacks.Callback):
                 keras.Variable(ones, dtype="float32", name="gradnorm_weights"),
                 keras.Variable(ones, dtype="float32", trainable=False, name="gradnorm_initial_values"),
                 keras.Variable(1.0, dtype="float32", trainable=False, name="gradnorm_first_probe"),
+                keras.Variable(self.alpha, dtype="float32", trainable=False, name="gradnorm_alpha"),
             ]
             # A copy built here: one made in a strategy scope applies only there.
             self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
@@ -177,17 +190,20 @@ class GradNorm(keras.callbacks.Callback):
         backend.outside_distribution(make)
 
     def _update(self, values, norms):
-        """The probe's update, inside its compiled call: one step of the
-        optimizer from the weights in use, clipped, renormalised and set
-        (kept as they were if not finite; `on_train_batch_end` raises)."""
-        weights, initial, first = self._state
+        """The probe's update, inside its call: one step of the optimizer from
+        the weights in use, clipped, renormalised and set. Stepped weights
+        that are not finite are returned as they are, and set nowhere
+        (`on_train_batch_end` raises)."""
+        weights, initial, first, alpha = self._state
         initial.assign(ops.where(first.value > 0.5, values, initial.value))
         first.assign(0.0)
         in_use = ops.cast(self.target.current_weights(), "float32")
         weights.assign(in_use)
-        self._stepper.apply([gradnorm_gradient(in_use, values, norms, initial.value, self.alpha)], [weights])
-        new = clip_and_renormalise(weights.value)
-        self.target._assign_weights(ops.where(ops.all(ops.isfinite(new)), new, in_use))
+        self._stepper.apply([gradnorm_gradient(in_use, values, norms, initial.value, alpha.value)], [weights])
+        stepped = weights.value
+        finite = ops.all(ops.isfinite(stepped))
+        new = ops.where(finite, clip_and_renormalise(stepped), stepped)
+        self.target._assign_weights(new, when=finite)
         return new
 
     def on_train_begin(self, logs: Logs = None) -> None:
