@@ -623,8 +623,8 @@ OUT_OF_REACH = {
     ),
     ("jax", "multi-task fit step, GradNorm every_n_batches=1"): (
         "time: on this 0.3 ms step, a callback that only assigns one variable per batch already makes the step "
-        "×1.65–2.0 (Keras writes the whole training state back and reads it again), and GradNorm's jitted probe "
-        "alone costs ×0.44–0.67 of a step more (bench/results/README.md, issue 45; "
+        "×1.65–2.0 (Keras writes the whole training state back and reads it again), and the probe's forward "
+        "pass, loss and one gradient on the fixed batch ×0.47–0.56 of a step more (bench/results/README.md, issue 45; "
         "rerun: KERAS_BACKEND=jax python -m bench.out_of_reach)"
     ),
     **{

@@ -17,10 +17,11 @@ claim no longer holds.
   the target on this machine (larger chunks were measured slower: 64, 128
   and 256 rows took 3.7, 4.0 and 4.4 s).
 - JAX, GradNorm at every batch (≤ 2× the step without it): a callback
-  that only assigns one variable per batch, the probe's forward pass and
-  loss with one gradient (GradNorm takes one a term), and one step of the
-  weights' optimizer, each against the plain step of the row's model.
-  Their sum is what GradNorm cannot go below: it does all three.
+  that only assigns one variable per batch, and the probe's forward pass
+  and loss with one gradient (GradNorm takes one a term), each against the
+  plain step of the row's model. Their sum is what GradNorm cannot go
+  below: it does both (and one step of its weights' optimizer, which
+  rides in the probe's compiled call).
 - TF, kl_divergence value+grad [8192, 32000]: the ops of both traced
   graphs (value and gradient) whose output is a [rows, classes] tensor,
   counted by type. Where the counts are the same, the two sides make the
@@ -171,12 +172,12 @@ def gradnorm_floor(small=False, repeats=5):
     this backend, on the GradNorm row's model (`bench.multitask`), each part
     against the plain step: a callback that only assigns one variable per
     batch (on JAX, Keras syncs the whole training state out and back in for
-    it; everywhere it makes Keras dispatch batch ends synchronously); the
-    probe's forward pass and loss on the fixed batch with one gradient, of
-    the terms' sum, over the layer's weights (GradNorm takes one per term:
-    at least one backward pass); and one step of the weights' optimizer.
-    Holds if the parts together exceed the row's target (×2). GradNorm's own
-    probe is timed beside them."""
+    it; everywhere it makes Keras dispatch batch ends synchronously); and
+    the probe's forward pass and loss on the fixed batch with one gradient,
+    of the terms' sum, over the layer's weights (GradNorm takes one per
+    term: at least one backward pass). Holds if the parts together exceed
+    the row's target (×2). GradNorm's own probe, with the weights' step in
+    its call, is timed beside them."""
     import statistics
 
     import keras
@@ -216,18 +217,16 @@ def gradnorm_floor(small=False, repeats=5):
         1,
         variables=list(gradnorm.layer.trainable_weights),
     )
-    weights, gradient = np.ones(3), np.array([1.0, -1.0, 0.5])
     parts = {
-        "GradNorm's probe": lambda: probe(*gradnorm.probe_data),
+        "GradNorm's probe and step": lambda: probe(*gradnorm.probe_data),
         "forward, loss, one gradient": lambda: summed(*gradnorm.probe_data),
-        "weights' step": lambda: gradnorm._step_weights(weights, gradient),
     }
     seconds = {
         name: statistics.median(t) for name, t in measure_time(parts, 10 if small else 200, tuple(parts)).items()
     }
     plain = step["plain"]
     sync = step["one assignment a batch"] / plain
-    floor = sync + (seconds["forward, loss, one gradient"] + seconds["weights' step"]) / plain
+    floor = sync + seconds["forward, loss, one gradient"] / plain
     print(
         f"GradNorm's row, {native.BACKEND}: plain step {plain * 1e3:.3f} ms; with one assignment a batch ×{sync:.2f}; "
         + "; ".join(f"{name} ×{t / plain:.2f}" for name, t in seconds.items())

@@ -22,7 +22,7 @@ keras-hub causal LM, on JAX, TensorFlow and PyTorch alike:
    elsewhere.
 
 The formulas, which library calls each estimator what, and the aggregation
-modes are on the [RL fine-tuning](docs/rl_fine_tuning.md) page.
+modes are on the [RL fine-tuning](../docs/rl_fine_tuning.md) page.
 
 keras-hub is an optional dependency (Python 3.11+); `make test` installs it
 without its requirements, which would pull a second TensorFlow:
