@@ -426,6 +426,17 @@ def _trainable_model(loss):
     return model
 
 
+def _scheduled_model():
+    """`_trainable_model("mse")` whose term a is weighted by a schedule, 3·0.5^step:
+    the model, its objective and the schedule."""
+    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
+    inputs = keras.Input((3,))
+    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
+    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4, name="shared")(inputs))))
+    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    return model, objective, schedule
+
+
 def _dwa_oracle(means, temperature):
     """Weights per epoch: 1 for epochs 0 and 1, then K·softmax(r/T), r = L(e−1)/L(e−2)."""
     means = np.asarray(means, np.float64)
@@ -493,11 +504,7 @@ def test_dynamic_weight_average_replaces_a_scheduled_weight():
     # The adaptive callbacks set every weight at once: a schedule is replaced
     # as set_weight replaces it, and the step uses the set numbers.
     keras.utils.set_random_seed(1)
-    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
-    inputs = keras.Input((3,))
-    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
-    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4)(inputs))))
-    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    model, objective, _ = _scheduled_model()
     logs = model.fit(X, Y, batch_size=4, epochs=4, verbose=0, callbacks=[PenaltyMonitor(), DynamicWeightAverage("obj")])
     means = np.stack([logs.history["obj/a"], logs.history["obj/b"]], axis=1)
     weights = np.stack([logs.history["obj/a/weight"], logs.history["obj/b/weight"]], axis=1)
@@ -625,11 +632,7 @@ def test_gradnorm_starts_from_a_scheduled_weight_and_replaces_it():
     # value at step 1, 3·0.5¹; from then on the weights are GradNorm's, in
     # the variables the step reads as in the Terms.
     keras.utils.set_random_seed(2)
-    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
-    inputs = keras.Input((3,))
-    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
-    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4, name="shared")(inputs))))
-    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    model, objective, schedule = _scheduled_model()
     gradnorm = GradNorm("obj", "shared", probe_data=(X[:4], Y[:4]))
     model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[gradnorm])
     expected = _gradnorm_oracle(gradnorm.history, 1.5, _NumpyAdam(0.025), start=(1.5, 1.0))
@@ -646,11 +649,7 @@ def test_gradnorm_raises_on_weights_that_are_not_finite_and_leaves_them_as_they_
     # are not finite (before, such a step silently reset the weights to 1).
     # Term a's schedule stays a schedule: after one training step, 3·0.5¹.
     keras.utils.set_random_seed(2)
-    schedule = keras.optimizers.schedules.ExponentialDecay(3.0, decay_steps=1, decay_rate=0.5)
-    inputs = keras.Input((3,))
-    objective = CompositeObjective({"a": Term("l2", weight=schedule), "b": "l1"}, name="obj")
-    model = keras.Model(inputs, keras.layers.Dense(2)(objective(keras.layers.Dense(4, name="shared")(inputs))))
-    model.compile(keras.optimizers.SGD(0.02), loss="mse")
+    model, objective, schedule = _scheduled_model()
     if case == "overflow":
         gradnorm = GradNorm("obj", "shared", optimizer=keras.optimizers.SGD(3e38), probe_data=X[:4])
     else:
