@@ -234,8 +234,8 @@ def parameter_probe(
     `fn(values, norms)` (backend-agnostic code on the float32 vectors) runs
     after the measurement in the same compiled call, outside its stateless
     scope, reading the model's variables as they are and assigning the
-    model's (not `variables`) or those of `state` (the caller's); the probe then
-    gives `(values, norms, result)`, `result` being what `fn` returned.
+    model's (not `variables`) or those of `state` (the caller's); the probe
+    then gives `(values, norms, result)`, `result` being what `fn` returned.
     """
     trainable = list(model.trainable_variables if variables is None else variables)
     others = [v for v in model.variables + model.metrics_variables if not any(v is t for t in trainable)]

@@ -72,8 +72,8 @@ class _Cadence:
 class _Probe:
     """One probe of a model, compiled once, shared by `PenaltyMonitor` and
     `GradNorm`: on a fixed batch, in inference mode and changing no state
-    but what an `update` assigns (see `gradients.parameter_probe`), it measures the term values of
-    `composites` and, with `everything`, the model's weight and activity
+    but what an `update` assigns (see `gradients.parameter_probe`), it
+    measures the term values of `composites` and, with `everything`, the model's weight and activity
     regularizers, the compiled loss and the total training loss — in that
     order, as `keys` lists them (then "base_loss", "total") — with each one's
     gradient norm over `variables` (all trainable ones by default).

@@ -27,9 +27,9 @@ class GradNorm(keras.callbacks.Callback):
 
     Every `every_n_batches` training batches it probes `probe_data` (as
     `PenaltyMonitor` does: compiled once, in inference mode, changing no
-    state of the model but the weights it sets) for each term's unweighted value Lᵢ and gradient norm
-    gᵢ = ‖∇_W termᵢ‖ with respect to all of `layer`'s trainable weights W
-    (the last shared layer). As the paper trains them, the weights wᵢ are
+    state of the model but the weights it sets) for each term's unweighted
+    value Lᵢ and gradient norm gᵢ = ‖∇_W termᵢ‖ with respect to all of
+    `layer`'s trainable weights W (the last shared layer). As the paper trains them, the weights wᵢ are
     parameters of L_grad = Σᵢ |Gᵢ − Ḡ·rᵢ^α|, with Gᵢ = wᵢ·gᵢ, Ḡ their mean,
     rᵢ = (Lᵢ/Lᵢ(0)) / meanⱼ(Lⱼ/Lⱼ(0)) and the target Ḡ·rᵢ^α held constant:
     each probe takes one step of `optimizer` on
