@@ -217,16 +217,16 @@ def gradnorm_floor(small=False, repeats=5):
                     variables=list(gradnorm.layer.trainable_weights),
                     batched=True,
                 )
+                self.data = gradnorm.probe_data
                 self.weights = keras.Variable(np.ones(len(multitask.TASKS), "float32"))
                 self.optimizer = keras.optimizers.Adam(0.025)
                 self.optimizer.build([self.weights])
-            _, norms = self.probe(*gradnorm_data)
+            _, norms = self.probe(*self.data)
             self.optimizer.apply([keras.ops.convert_to_tensor(norms)], [self.weights])
 
     steps = 4 if small else 256
     (x, y), _ = multitask.problem(multitask.BATCH * steps)
     probe_data = (x[: multitask.BATCH], y[: multitask.BATCH])
-    gradnorm_data = GradNorm("tasks", "trunk_2", probe_data=probe_data).probe_data
 
     def fit(callbacks):
         model = multitask.build()
