@@ -661,6 +661,26 @@ def test_gradnorm_raises_on_weights_that_are_not_finite_and_leaves_them_as_they_
     assert gradnorm.history == []
 
 
+def test_gradnorm_steps_afresh_after_a_failed_step_once_the_model_is_restored():
+    # The model diverges (a kernel of inf), so the probe's values and norms
+    # are not finite and the step fails; Adam's moments took the NaN step.
+    # After a checkpoint is restored, the same callback trains on: its
+    # optimizer starts afresh (kept, the NaN moments failed every step).
+    keras.utils.set_random_seed(2)
+    model = _trainable_model("mse")
+    checkpoint = model.get_weights()
+    gradnorm = GradNorm("obj", "shared", probe_data=(X[:4], Y[:4]))
+    kernel = model.get_layer("shared").kernel
+    kernel.assign(np.full(kernel.shape, np.inf, "float32"))
+    with pytest.raises(ValueError, match="GradNorm's new weights for 'obj' are not finite"):
+        model.fit(X, Y, batch_size=4, epochs=1, verbose=0, callbacks=[gradnorm])
+    model.set_weights(checkpoint)
+    model.fit(X, Y, batch_size=4, epochs=2, verbose=0, callbacks=[gradnorm])
+    expected = _gradnorm_oracle(gradnorm.history, 1.5, _NumpyAdam(0.025))
+    np.testing.assert_allclose([list(e["weights"].values()) for e in gradnorm.history], expected, rtol=1e-5)
+    assert len(gradnorm.history) == 4 and not np.allclose(expected[-1], 1.0)
+
+
 def test_gradnorm_alpha_set_after_a_probe_takes_effect_at_the_next():
     keras.utils.set_random_seed(2)
     model = _trainable_model("mse")

@@ -64,7 +64,8 @@ class GradNorm(keras.callbacks.Callback):
     the probe's own call (compiled on JAX and TF: one call a probe). A step
     that leaves a weight not finite (a term value or gradient norm that is
     not, or an overflow) raises a `ValueError` and leaves the Terms'
-    weights as they were; GradNorm's optimizer has taken the step.
+    weights as they were; GradNorm's own optimizer, whose state holds the
+    failed step, starts afresh at the next probe.
 
     Attributes:
         history: one dict per probe: `"step"`, `"values"`, `"grad_norms"`
@@ -217,6 +218,10 @@ class GradNorm(keras.callbacks.Callback):
             return
         values, norms, new = self._probe()(*self.probe_data)
         if not np.all(np.isfinite(new)):
+            # The optimizer took the step (Adam's moments NaN with a NaN
+            # gradient, every later step with them): the next probe makes
+            # GradNorm's state, and the probe that steps it, afresh.
+            self._state = []
             raise ValueError(
                 f"GradNorm's new weights for {self.target.name!r} are not finite: {new.tolist()} "
                 f"(term values {values.tolist()}, gradient norms {norms.tolist()}); the weights were left as they were."
