@@ -52,7 +52,7 @@ class GradNorm(keras.callbacks.Callback):
         optimizer: the weights' own optimizer, a `keras.optimizers.Optimizer`
             instance (or identifier) that is not the model's. GradNorm steps
             a copy of it (same class and config) whose state is the weights'
-            alone and lasts across `fit` calls. Default
+            alone and lasts across `fit` calls until a step fails. Default
             `keras.optimizers.Adam(0.025)`, the paper's and LibMTL's.
         probe_data: `(x, y)` or `x`, a fixed batch (`y` is needed for a
             `CompositeLoss`).
@@ -166,7 +166,8 @@ class GradNorm(keras.callbacks.Callback):
     def _new_state(self, count):
         """The weights the optimizer steps, the first probe's values Lᵢ(0),
         whether the next probe is a fit's first and α, with the copy of
-        `optimizer` that steps the weights (its state lasts across fits).
+        `optimizer` that steps the weights (its state lasts across fits
+        until a step fails).
 
         They are made through `backend.outside_distribution`, on the
         package's host thread where a distribution or a dtype policy is in
