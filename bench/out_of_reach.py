@@ -194,7 +194,6 @@ def gradnorm_floor(small=False, repeats=5):
     from bench.run import measure_time
     from keras_penalties import gradients
     from keras_penalties.callbacks import GradNorm
-    from keras_penalties.callbacks._probe import _Probe
 
     class AssignOne(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -209,14 +208,7 @@ def gradnorm_floor(small=False, repeats=5):
             if not hasattr(self, "probe"):
                 gradnorm = GradNorm("tasks", "trunk_2", probe_data=probe_data)
                 gradnorm.set_model(model)
-                self.probe = _Probe(
-                    model,
-                    [gradnorm.target],
-                    everything=False,
-                    calls="sum",
-                    variables=list(gradnorm.layer.trainable_weights),
-                    batched=True,
-                )
+                self.probe = gradnorm._measurement(model)
                 self.data = gradnorm.probe_data
                 self.weights = keras.Variable(np.ones(len(multitask.TASKS), "float32"))
                 self.optimizer = keras.optimizers.Adam(0.025)

@@ -690,7 +690,7 @@ def test_gradnorm_alpha_set_after_a_probe_takes_effect_at_the_next():
     model.fit(X, Y, batch_size=4, epochs=3, verbose=0, callbacks=[gradnorm])  # a new fit: a new Lᵢ(0)
     with pytest.raises(ValueError, match="`alpha`"):
         gradnorm.alpha = -1.0
-    first, second = _gradnorm_oracle(gradnorm.history[:2], 1.5, _NumpySGD(0.1)), None
+    first = _gradnorm_oracle(gradnorm.history[:2], 1.5, _NumpySGD(0.1))
     second = _gradnorm_oracle(gradnorm.history[2:], 12.0, _NumpySGD(0.1), start=first[-1])
     got = [list(e["weights"].values()) for e in gradnorm.history]
     np.testing.assert_allclose(got, np.concatenate([first, second]), rtol=1e-5)

@@ -137,20 +137,26 @@ class GradNorm(keras.callbacks.Callback):
             self._new_state(len(self.target.terms))
             self._probes = {}
         if id(model) not in self._probes:
-            # The terms as they count in the loss: a shared objective's calls summed.
-            # Every term reaches the shared layer through the heads: their
-            # gradients are taken in one batched backward pass (eager torch).
             # The weights' step runs in the probe's own compiled call.
-            self._probes[id(model)] = _Probe(
-                model,
-                [self.target],
-                everything=False,
-                calls="sum",
-                variables=list(self.layer.trainable_weights),
-                batched=True,
-                update=(self._update, self._state + list(self._stepper.variables)),
-            )
+            update = (self._update, self._state + list(self._stepper.variables))
+            self._probes[id(model)] = self._measurement(model, update)
         return self._probes[id(model)]
+
+    def _measurement(self, model, update=None):
+        """The probe of `model`'s terms as they count in the loss (a shared
+        objective's calls summed) and their norms over `layer`'s weights,
+        with `update` in its call (`bench.out_of_reach` times it without).
+        Every term reaches the shared layer through the heads: their
+        gradients are taken in one batched backward pass (eager torch)."""
+        return _Probe(
+            model,
+            [self.target],
+            everything=False,
+            calls="sum",
+            variables=list(self.layer.trainable_weights),
+            batched=True,
+            update=update,
+        )
 
     @property
     def alpha(self) -> float:
