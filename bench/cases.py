@@ -644,6 +644,12 @@ OUT_OF_REACH = {
         )
         for backend in ("jax", "tensorflow")
     },
+    ("torch", _RL_NAME + " vs logits formed first"): (
+        "time: the same 4 products against the reference's 3; formed 64 rows at a time, as the auto chunk size "
+        "forms them (128-row chunks read memory 0.13 of the peer's, over that row's 0.10), they alone take "
+        "×1.30–1.51 of the whole reference, ×1.73–1.83 of its 3 products (bench/results/README.md, issue 45; "
+        "rerun: KERAS_BACKEND=torch python -m bench.out_of_reach)"
+    ),
 }
 
 # Rows with no ratio because the native peer alone does not fit in this

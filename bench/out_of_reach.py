@@ -1,9 +1,10 @@
-"""The measurements behind `bench.cases.OUT_OF_REACH`'s three oldest rows,
-rerunnable (issue 45): each prints what it compares and exits 1 if the
-claim no longer holds.
+"""The measurements behind `bench.cases.OUT_OF_REACH`'s rows (those that
+rest on a count of products say so there), rerunnable (issue 45): each
+prints what it compares and exits 1 if the claim no longer holds.
 
     KERAS_BACKEND=jax python -m bench.out_of_reach          # entropy's programs; roofline parts; GradNorm's floor
     KERAS_BACKEND=tensorflow python -m bench.out_of_reach   # KL value+grad ops; cross-entropy head memory
+    KERAS_BACKEND=torch python -m bench.out_of_reach        # token_logprobs' products
 
 - JAX, entropy value [8192, 32000]: XLA's optimized HLO of ours and of the
   peer (`bench.native.entropy`), with every name, id and metadata removed,
@@ -26,6 +27,13 @@ claim no longer holds.
   that does its measurement and optimizer step alone: what its weights'
   math costs (`KERAS_BACKEND=torch python -c "from bench import
   out_of_reach; out_of_reach.gradnorm_floor()"`).
+- torch, token_logprobs from hidden states against the logits formed
+  first (≤ 1.10): the 4 products the fused call forms a chunk of rows at a
+  time (its backward forms each chunk's logits again: per-position values
+  get their upstream gradient only there) against the row's reference,
+  whole (and its 3 products whole, for scale). Where those 4 alone exceed
+  1.10 × the reference, no call chunked so reaches the target (JAX's and
+  TF's rows rest on the count, 4/3, alone).
 - TF, kl_divergence value+grad [8192, 32000]: the ops of both traced
   graphs (value and gradient) whose output is a [rows, classes] tensor,
   counted by type. Where the counts are the same, the two sides make the
@@ -266,6 +274,69 @@ def gradnorm_floor(small=False, repeats=5):
     return floor > 2.0
 
 
+def torch_logprob_products(small=False, repeats=3):
+    """torch's per-position log-probabilities from hidden states against
+    the logits formed first (time ≤ 1.10): the row's reference itself (our
+    chunked call on the formed logits, value and gradients), its 3 products
+    whole (the logits, then the hidden states' and the kernel's gradients)
+    and the 4 products the fused call cannot avoid, formed a chunk of rows
+    at a time at the rows "auto" picks (its forward loop forms each chunk's
+    logits, its backward loop forms them again, then both gradients);
+    alternating, medians. Holds if those 4 chunked products alone take more
+    than 1.10 × the whole reference (4/3 of its products by count, before
+    what chunks cost)."""
+    import statistics
+    import time
+
+    import torch
+
+    from bench import rl_cases
+    from keras_penalties.ops._chunks import chunk_rows
+
+    args = rl_cases._inputs(small)
+    *_, h, k = args
+    tokens, vocab = h.shape[0], k.shape[1]
+    rows = chunk_rows("auto", vocab, tokens, heads=True)
+    g = torch.randn(tokens, vocab, generator=torch.Generator().manual_seed(0)) * 1e-3
+
+    def whole():
+        return h @ k, g @ k.T, h.T @ g
+
+    def chunked():
+        kernel_gradient = torch.zeros_like(k)
+        for start in range(0, tokens, rows):
+            hc, gc = h[start : start + rows], g[start : start + rows]
+            hc @ k  # the forward loop's logits
+            hc @ k  # formed again in the backward loop
+            gc @ k.T
+            kernel_gradient.addmm_(hc.T, gc)
+        return kernel_gradient
+
+    formed = native.value_and_grads(rl_cases._LOGPROBS["formed"], 2)
+    sides = {
+        "the reference (formed logits, our call)": lambda: native.block(formed(*args)),
+        "its 3 products, whole": whole,
+        f"the fused call's 4 products, {tokens // rows} chunks of {rows} rows": chunked,
+    }
+    times = {name: [] for name in sides}
+    for fn in sides.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    first, *_, last = medians.values()
+    for name, t in medians.items():
+        print(f"  {name:52s} {t * 1e3:8.0f} ms  ×{t / first:.3f} of the reference")
+    print(
+        f"token_logprobs value+grad from hidden states [{tokens}×{h.shape[1]} → {vocab}] vs logits formed first, "
+        f"torch: the fused call's products alone ×{last / first:.3f} of the reference (target 1.10)"
+    )
+    return last / first > 1.10
+
+
 def _big_ops(fn, args, shape):
     import tensorflow as tf
 
@@ -314,6 +385,7 @@ def main():
     checks = {
         "jax": [jax_entropy_program, jax_roofline_parts, gradnorm_floor],
         "tensorflow": [tf_kl_ops, tf_head_memory],
+        "torch": [torch_logprob_products],
     }.get(native.BACKEND, [])
     if not checks:
         print(f"No out-of-reach rows on {native.BACKEND}.")

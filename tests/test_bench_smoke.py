@@ -174,7 +174,7 @@ def test_a_roofline_row_reports_its_fraction_of_peak_and_its_memory_floor(tmp_pa
 def test_the_out_of_reach_measurements_run_at_tiny_size():
     # GradNorm's floor runs on every backend; the others are backend-specific
     # by what they measure: JAX's rows (a compiled program, the roofline's
-    # parts) and TF's (a graph).
+    # parts), TF's (a graph) and torch's (its own products).
     from bench import native, out_of_reach
 
     assert isinstance(out_of_reach.gradnorm_floor(small=True, repeats=1), bool)
@@ -184,6 +184,8 @@ def test_the_out_of_reach_measurements_run_at_tiny_size():
     elif native.BACKEND == "tensorflow":
         assert out_of_reach.tf_kl_ops(small=True)
         assert out_of_reach.tf_head_memory()  # from the committed results
+    else:
+        assert isinstance(out_of_reach.torch_logprob_products(small=True, repeats=1), bool)
 
 
 def test_the_memory_sweep_runs_and_draws_at_tiny_size(tmp_path):
