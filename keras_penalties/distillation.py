@@ -251,7 +251,8 @@ class Distiller(keras.distillation.Distiller):
             student.
         teacher_head: None, or the teacher's.
         chunk_size: rows per chunk, or "auto" (see `kl_divergence`), for the fused losses (and for any
-            `LogitsDivergence` without its own).
+            `LogitsDivergence` without its own); None (the default) forms the heads' logits whole, as
+            every op does without `chunk_size`: the unfused numbers, without the memory saved.
     """
 
     def __init__(

@@ -220,7 +220,7 @@ def parameter_probe(
     whatever the forward pass assigns (running statistics, metric
     trackers) is discarded, so probing changes no state. Under a distribution
     strategy it runs as one device on the whole batch. The returned
-    `probe(x, y)` gives `(values, norms)` as NumPy arrays, `norms[i]` being
+    `probe(x, y)` (arrays or tensors) gives `(values, norms)` as NumPy arrays, `norms[i]` being
     ‖∂ outputs[i] / ∂θ‖₂ over all of `model.trainable_variables`, or over
     `variables` (some of them, e.g. one layer's weights) when given (`None`
     when `grad_norms` is false). It is compiled once (jax.jit, tf.function)
@@ -257,6 +257,9 @@ def parameter_probe(
     probe = backend.parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched, update)
 
     def numpy_probe(x: Any, y: Any) -> tuple[np.ndarray, ...]:
+        # NumPy batches become tensors, as jit and tf.function make them, so
+        # `outputs_fn` reads tensors on torch too.
+        x, y = (None if t is None else keras.tree.map_structure(backend.as_tensor, t) for t in (x, y))
         values, norms, result = probe(x, y)
         numpy: tuple[Any, ...] = ops.convert_to_numpy(values), None if norms is None else ops.convert_to_numpy(norms)
         return numpy if update is None else (*numpy, ops.convert_to_numpy(result))

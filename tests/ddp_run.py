@@ -73,11 +73,11 @@ def regression(process, processes):
     return {"losses": losses, "head/ent": entropies, **weights}
 
 
-def distiller(process, processes):
+def distiller(process, processes, prefix):
     import keras
     import torch
 
-    model = process_models.distiller()
+    model = process_models.distiller(process_models.DISTILLER_CHUNKS[prefix])
     variables = model.student.trainable_variables
     model.optimizer.build(variables)
     rows = [torch.tensor(local_rows(a, process, processes)) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
@@ -90,8 +90,8 @@ def distiller(process, processes):
             grads = torch.autograd.grad(loss, [v.value for v in variables])
             model.optimizer.apply(_average(list(grads), processes), variables)
             losses.append(float(_average([loss.detach().clone()], processes)[0]))
-    weights = {f"distiller/weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(variables)}
-    return {"distiller/losses": losses, **weights}
+    weights = {f"{prefix}/weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(variables)}
+    return {f"{prefix}/losses": losses, **weights}
 
 
 def main(role, *args):
@@ -103,7 +103,9 @@ def main(role, *args):
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://localhost:{args[0]}", rank=process, world_size=processes
         )
-    results = {**regression(process, processes), **distiller(process, processes)}
+    results = regression(process, processes)
+    for prefix in process_models.DISTILLER_CHUNKS:
+        results.update(distiller(process, processes, prefix))
     print(json.dumps(results), flush=True)
     if processes > 1:
         torch.distributed.destroy_process_group()

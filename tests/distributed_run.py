@@ -160,11 +160,12 @@ LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4),
 LM_WEIGHTS[:, 0] = 1.0
 
 
-def train_distiller():
+def train_distiller(chunk_size=4 if BACKEND == "jax" else 3, prefix="distiller"):
     """A fused Distiller: tied-embedding heads read from the hidden states in
     chunks (on JAX 4 rows: each device runs the 4 chunks of its own 16
-    rows; on TF 3 rows: partial chunks on every replica), two
-    LogitsDivergence losses with weights, a regularized student."""
+    rows; on TF 3 rows: partial chunks on every replica; None: the logits
+    formed whole), two LogitsDivergence losses with weights, a regularized
+    student. Results under `prefix`."""
 
     def lm(name, seed):
         keras.utils.set_random_seed(seed)
@@ -185,7 +186,7 @@ def train_distiller():
         student_loss_weight=0.4,
         head="embedding",
         teacher_head="embedding",
-        chunk_size=4 if BACKEND == "jax" else 3,
+        chunk_size=chunk_size,
     )
     distiller.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = distiller.fit(
@@ -194,12 +195,16 @@ def train_distiller():
     evaluation = distiller.evaluate(
         LM_TOKENS, LM_LABELS, sample_weight=LM_WEIGHTS, batch_size=BATCH, verbose=0, return_dict=True
     )
-    results = {
-        "distiller/predictions": np.asarray(distiller.student.predict(LM_TOKENS, batch_size=BATCH, verbose=0)).tolist()
-    }
-    results.update({f"distiller/history/{k}": v for k, v in history.history.items()})
-    results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
+    predictions = distiller.student.predict(LM_TOKENS, batch_size=BATCH, verbose=0)
+    results = {f"{prefix}/predictions": np.asarray(predictions).tolist()}
+    results.update({f"{prefix}/history/{k}": v for k, v in history.history.items()})
+    results.update({f"{prefix}/evaluate/{k}": v for k, v in evaluation.items()})
     return results
+
+
+def train_distiller_whole():
+    """The fused Distiller at the default chunk_size: the logits formed whole."""
+    return train_distiller(None, "distiller_whole")
 
 
 def train_token_objective():
@@ -360,7 +365,7 @@ def _same_kind(key, probe, layer, kind):
 def main(mode):
     if BACKEND == "tensorflow":
         split_tensorflow_cpu()
-    runs = (train, train_distiller, train_famo, train_token_objective, train_token_loss)
+    runs = (train, train_distiller, train_distiller_whole, train_famo, train_token_objective, train_token_loss)
     one = {k: v for run in runs for k, v in run().items()}
     with distributed(mode):
         two = {k: v for run in runs for k, v in run().items()}

@@ -83,8 +83,8 @@ def train(process, processes):
     return results
 
 
-def train_distiller(process, processes):
-    distiller = process_models.distiller()
+def train_distiller(process, processes, prefix):
+    distiller = process_models.distiller(process_models.DISTILLER_CHUNKS[prefix])
     rows = [local_rows(a, process, processes) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
     history = distiller.fit(
         *rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, epochs=2, shuffle=False, verbose=0
@@ -92,9 +92,9 @@ def train_distiller(process, processes):
     evaluation = distiller.evaluate(
         *rows[:2], sample_weight=rows[2], batch_size=BATCH // processes, verbose=0, return_dict=True
     )
-    results = {f"distiller/history/{k}": v for k, v in history.history.items()}
-    results.update({f"distiller/evaluate/{k}": v for k, v in evaluation.items()})
-    results.update({f"distiller/weights/{i}": w.tolist() for i, w in enumerate(distiller.student.get_weights())})
+    results = {f"{prefix}/history/{k}": v for k, v in history.history.items()}
+    results.update({f"{prefix}/evaluate/{k}": v for k, v in evaluation.items()})
+    results.update({f"{prefix}/weights/{i}": w.tolist() for i, w in enumerate(distiller.student.get_weights())})
     return results
 
 
@@ -107,7 +107,9 @@ def main(role, *args):
             devices=keras.distribution.list_devices(), auto_shard_dataset=False
         )
         keras.distribution.set_distribution(distribution)
-    results = {**train(process, processes), **train_distiller(process, processes)}
+    results = train(process, processes)
+    for prefix in process_models.DISTILLER_CHUNKS:
+        results.update(train_distiller(process, processes, prefix))
     results["devices"] = len(keras.distribution.list_devices())
     print(json.dumps(results))
 

@@ -85,11 +85,11 @@ def regression(strategy, process, processes):
     return {"losses": losses, "head/ent": entropies, **weights}
 
 
-def distiller(strategy, process, processes):
+def distiller(strategy, process, processes, prefix):
     import tensorflow as tf
 
     with strategy.scope():
-        model = process_models.distiller()
+        model = process_models.distiller(process_models.DISTILLER_CHUNKS[prefix])
         model.optimizer.build(model.student.trainable_variables)
 
     def replica_step(tokens, labels, weights):
@@ -109,16 +109,17 @@ def distiller(strategy, process, processes):
             loss = step(*(tf.constant(a[start : start + per]) for a in rows))
             losses.append(float(strategy.reduce("SUM", loss, axis=None)))
     weights = {
-        f"distiller/weights/{i}": np.asarray(v.numpy()).tolist()
-        for i, v in enumerate(model.student.trainable_variables)
+        f"{prefix}/weights/{i}": np.asarray(v.numpy()).tolist() for i, v in enumerate(model.student.trainable_variables)
     }
-    return {"distiller/losses": losses, **weights}
+    return {f"{prefix}/losses": losses, **weights}
 
 
 def main(role, *args):
     strategy = strategy_for(role)
     process, processes = (int(args[2]), 2) if role == "worker" else (0, 1)
-    results = {**regression(strategy, process, processes), **distiller(strategy, process, processes)}
+    results = regression(strategy, process, processes)
+    for prefix in process_models.DISTILLER_CHUNKS:
+        results.update(distiller(strategy, process, processes, prefix))
     results["replicas"] = strategy.num_replicas_in_sync
     print(json.dumps(results))
 

@@ -24,10 +24,16 @@ def local_rows(array, process, processes):
     return np.concatenate([array[b + process * per : b + (process + 1) * per] for b in range(0, len(array), BATCH)])
 
 
-def distiller():
+# The fused Distillers the runs train, by the prefix of their results: in
+# chunks of 4 rows, and at the default chunk_size (the logits formed whole).
+DISTILLER_CHUNKS = {"distiller": 4, "distiller_whole": None}
+
+
+def distiller(chunk_size=4):
     """The fused Distiller the runs train: a teacher and a student whose tied
     embeddings are their heads, one temperature-2 KL (weight 4) beside a
-    0.4-weighted cross-entropy, chunks of 4 rows; compiled with SGD(0.05)."""
+    0.4-weighted cross-entropy, chunks of `chunk_size` rows; compiled with
+    SGD(0.05)."""
     import keras
 
     from keras_penalties.distillation import Distiller, LogitsDivergence
@@ -49,7 +55,7 @@ def distiller():
         student_loss_weight=0.4,
         head="embedding",
         teacher_head="embedding",
-        chunk_size=4,
+        chunk_size=chunk_size,
     )
     model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model

@@ -190,11 +190,11 @@ def test_logits_divergence_errors_name_the_argument(kwargs, error, message):
 # --------------------------------------------------------------- Distiller
 
 
-def _distiller(fused=False, head="dense", teacher_head=True, weights=(4.0, 1.0), **kwargs):
+def _distiller(fused=False, head="dense", teacher_head=True, weights=(4.0, 1.0), chunk_size=7, **kwargs):
     teacher = _lm("teacher", head=head, seed=1)
     student = _lm("student", head=head, regularized=True, seed=2)
     name = "embedding" if head == "tied" else "head"
-    fuse = dict(head=name, teacher_head=name if teacher_head else None, chunk_size=7) if fused else {}
+    fuse = dict(head=name, teacher_head=name if teacher_head else None, chunk_size=chunk_size) if fused else {}
     losses = [LogitsDivergence(temperature=TEMPERATURE, name="kd"), LogitsDivergence("js", beta=0.3)]
     distiller = Distiller(teacher, student, losses, list(weights), student_loss_weight=0.4, **fuse, **kwargs)
     distiller.compile(
@@ -253,12 +253,12 @@ def test_a_fused_step_reads_no_label_where_the_weight_is_zero():
     np.testing.assert_allclose(to_numpy(total), _expected_total(_distiller())["total_loss"], rtol=2e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_compute_loss_outside_fit_includes_the_students_own_losses(fused):
+@pytest.mark.parametrize("fused, chunk_size", [(False, 7), (True, 7), (True, None)])
+def test_compute_loss_outside_fit_includes_the_students_own_losses(fused, chunk_size):
     # A custom loop calls compute_loss(x, y) with no y_pred: the student's
     # add_loss terms come from the forward pass it runs (issue 41: they
     # were read before it, and lost).
-    distiller = _distiller(fused=fused)
+    distiller = _distiller(fused=fused, chunk_size=chunk_size)
     total = to_numpy(distiller.compute_loss(x=TOKENS, y=LABELS, sample_weight=WEIGHTS))
     np.testing.assert_allclose(total, _expected_total(distiller)["total_loss"], rtol=2e-5)
 
@@ -300,23 +300,25 @@ def test_each_loss_is_logged_by_name_and_feature_losses_still_work():
 
 
 @pytest.mark.parametrize(
-    "head, teacher_head, jit_compile",
+    "head, teacher_head, jit_compile, chunk_size",
     [
-        ("dense", True, "auto"),
-        ("tied", True, "auto"),
-        ("dense", False, "auto"),  # the teacher forms its logits, the student does not
+        ("dense", True, "auto", 7),
+        ("tied", True, "auto", 7),
+        ("dense", False, "auto", 7),  # the teacher forms its logits, the student does not
+        ("tied", True, "auto", None),  # the default: the logits formed whole
         pytest.param(
             "tied",
             True,
             True,
+            7,
             marks=pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch is torch.compile, not XLA"),
         ),
     ],
 )
-def test_fused_training_equals_unfused(head, teacher_head, jit_compile):
+def test_fused_training_equals_unfused(head, teacher_head, jit_compile, chunk_size):
     results = {}
     for fused in (False, True):
-        distiller = _distiller(fused=fused, head=head, teacher_head=teacher_head)
+        distiller = _distiller(fused=fused, head=head, teacher_head=teacher_head, chunk_size=chunk_size)
         distiller.compile(
             optimizer=keras.optimizers.SGD(0.05),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -378,14 +380,16 @@ def test_losses_outside_the_fused_loop_count_as_unfused():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [7, None])
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"], indirect=True)
-def test_fused_training_under_mixed_precision(policy):
+def test_fused_training_under_mixed_precision(policy, chunk_size):
     # Half hidden states, float32 kernels: the fused losses form float32
-    # logits per chunk; the unfused ones read the half logits the head
-    # makes. Both train, to the half-precision rounding of the logits.
+    # logits per chunk (or whole, without chunk_size); the unfused ones read
+    # the half logits the head makes. Both train, to the half-precision
+    # rounding of the logits.
     histories = {}
     for fused in (False, True):
-        distiller = _distiller(fused=fused, head="tied")
+        distiller = _distiller(fused=fused, head="tied", chunk_size=chunk_size)
         histories[fused] = distiller.fit(
             TOKENS, LABELS, sample_weight=WEIGHTS, batch_size=4, epochs=2, shuffle=False, verbose=0
         ).history

@@ -11,8 +11,9 @@ Orthogonality and L2 regularizers), TensorFlow with 2 logical CPUs
 Regularizer term, a CompositeLoss with mean, sum and ops terms, a callback
 that calls set_weight/disable/enable, and adaptive weights (an
 uncertainty-weighted objective with a chunked entropy term, a per-term custom metric, DynamicWeightAverage
-on the loss, GradNorm on the objective), a fused Distiller whose token
-masks keep more tokens on one replica than on the other, and an objective
+on the loss, GradNorm on the objective), a fused Distiller (in chunks, and at its
+default chunk_size) whose token masks keep more tokens on one replica than
+on the other, and an objective
 whose token means (whole, chunked, and a fused cross-entropy from hidden
 states, masked and not) see such masks too, after a layer's activity loss,
 and a CompositeLoss whose terms Keras reduces with such a mask and with
@@ -78,6 +79,9 @@ def test_two_devices_match_one(mode):
         "distiller/history/distillation/js",
         "distiller/history/student_loss",
         "distiller/evaluate/total_loss",
+        "distiller_whole/history/distillation/kd",
+        "distiller_whole/history/student_loss",
+        "distiller_whole/evaluate/total_loss",
         "famo/loss/famo_logits",
         "famo/history/floss/mae_sum/weight",
         "famo/predictions",

@@ -207,9 +207,12 @@ def fused_columns(values_fn, tensors, labels, weights, chunk_size):
     *tensors, labels=...)` gives [positions, k] values (labels, if any, one
     class index per position), `weights` is [positions, k]. Returns the
     total of the k sums (differentiated) and the k sums (not), in float32.
-    Labels are used as given (0 where a weight is 0: see `_labels`)."""
+    Labels are used as given (0 where a weight is 0: see `_labels`).
+    Without `chunk_size` the logits are formed whole, as every op's None."""
     parts = [p for t in tensors for p in (t.parts() if isinstance(t, LinearLogits) else [t])]
     compute, _ = dtypes.dtype_pair(parts)
+    if chunk_size is None:
+        return _formed_columns(values_fn, tensors, labels, weights, compute)
 
     def values(*chunk, axis, labels=None):
         return values_fn(*chunk, labels=labels)
@@ -219,6 +222,19 @@ def fused_columns(values_fn, tensors, labels, weights, chunk_size):
     weights = chunks.padded_rows(weights, n, chunk_size, 0)
     total, columns = backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)
     return ops.cast(total, "float32"), ops.cast(columns, "float32")
+
+
+def _formed_columns(values_fn, tensors, labels, weights, compute):
+    """`fused_columns` with the logits formed whole: one [positions, k]
+    product with the weights, differentiated through the formed logits."""
+    rows = []
+    for t in tensors:
+        logits = t.materialise(compute) if isinstance(t, LinearLogits) else ops.cast(t, compute)
+        rows.append(ops.reshape(logits, (-1, ops.shape(logits)[-1])))
+    flat_labels = None if labels is None else ops.reshape(labels, (-1,))
+    weighted = values_fn(*rows, labels=flat_labels) * ops.cast(ops.reshape(weights, (-1, weights.shape[-1])), compute)
+    columns = ops.cast(ops.sum(weighted, axis=0), "float32")
+    return ops.sum(columns), ops.stop_gradient(columns)
 
 
 def _fused_values(values_fn, tensors, labels, chunk_size, compute):
