@@ -45,16 +45,24 @@ class NoisyView(keras.layers.Layer):
 
 def train(consistency_weight, x, y, labeled):
     keras.utils.set_random_seed(0)
-    net = keras.Sequential([keras.layers.Dense(64, activation="relu"), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(2)])
+    net = keras.Sequential(
+        [keras.layers.Dense(64, activation="relu"), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(2)]
+    )
     inputs = keras.Input((2,))
     clean, noisy = net(inputs), net(NoisyView(0.15)(inputs))
     views = CompositeObjective(
-        {"consistency": Term("js_divergence", consistency_weight, inputs=("clean", "noisy"), options={"from_logits": True})},
+        {
+            "consistency": Term(
+                "js_divergence", consistency_weight, inputs=("clean", "noisy"), options={"from_logits": True}
+            )
+        },
         name="views",
     )({"clean": clean, "noisy": noisy})
     model = keras.Model(inputs, views["clean"])
     # Unlabeled points get sample weight 0: they count only through the consistency term.
-    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(3e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     weights = labeled.astype("float32") * len(y) / labeled.sum()
     model.fit(x, y, sample_weight=weights, batch_size=256, epochs=EPOCHS, verbose=0, callbacks=[PenaltyMonitor()])
     return model

@@ -33,7 +33,9 @@ class LowRankAdapter(keras.layers.Layer):
 
     def build(self, input_shape):
         d, k = input_shape[-1], self.frozen.units
-        self.a = self.add_weight(shape=(d, self.rank), initializer="glorot_normal", regularizer=self.a_regularizer, name="a")
+        self.a = self.add_weight(
+            shape=(d, self.rank), initializer="glorot_normal", regularizer=self.a_regularizer, name="a"
+        )
         self.b = self.add_weight(shape=(self.rank, k), initializer="zeros", name="b")
 
     def call(self, x):

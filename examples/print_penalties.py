@@ -22,6 +22,7 @@ def main():
     # Each sampled label's log-probability under the policy (logits) and a reference (teacher).
     logprobs, ref_logprobs = P.token_logprobs(labels, logits), P.token_logprobs(labels, teacher)
     advantages = rng.normal(size=(4,)).astype("float32")
+    top_ids = np.argsort(-teacher, axis=-1)[..., :2]
     values = {
         "l1(logits)": P.l1(logits),
         "l2(logits)": P.l2(logits),
@@ -46,6 +47,10 @@ def main():
         "cross_entropy(labels, logits)": P.cross_entropy(labels, logits),
         "kl_estimate(logprobs, ref_logprobs, k3)": P.kl_estimate(logprobs, ref_logprobs),
         "policy_loss(logprobs, ref_logprobs, advantages, ppo)": P.policy_loss(logprobs, ref_logprobs, advantages),
+        # A teacher's top-2 ids a position, both models' log-probabilities of them, and the rest of the vocabulary.
+        "topk_kl(teacher top-2, student, tail)": P.topk_kl(
+            P.token_logprobs(top_ids, teacher), P.token_logprobs(top_ids, logits)
+        ),
         # Logits never formed: hidden states and the head, two rows per chunk.
         "cross_entropy(labels, linear(hidden, head), chunks)": P.cross_entropy(
             labels, P.linear(hidden, head), chunk_size=2

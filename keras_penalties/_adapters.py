@@ -110,7 +110,7 @@ class _Penalty:
     `fn(*tensors, **options)`; in a CompositeLoss, `fn(y_pred, **options)` on
     float32 copies, which must be a scalar."""
 
-    mask_input = None  # the name or position of the input holding a mask
+    option_inputs: dict = {}  # tensor option -> the name or position of the input holding it
     sums_over_samples = False  # whether the value grows with the batch
     takes_labels = False  # whether a CompositeLoss feeds (y_true, y_pred)
 
@@ -185,24 +185,26 @@ def _global_share(value, reduction, sample_weight, mask):
 
 
 class _OpPenalty(_Penalty):
-    """A `keras_penalties.ops` function: options checked now; its `mask`
-    option names the input holding the mask; in a CompositeLoss, fed
-    (y_true, y_pred) when its signature takes two tensors, and reduced as a
-    Loss term is when it has per-sample values."""
+    """A `keras_penalties.ops` function: options checked now; its tensor
+    options (`mask`, `weights`, `old_logprobs`: the op's `tensor_options`)
+    name the inputs holding them; in a CompositeLoss, fed (y_true, y_pred)
+    when its signature takes two tensors, and reduced as a Loss term is
+    when it has per-sample values."""
 
     def __init__(self, fn, options):
         if fn.__name__ in MAGNITUDE_OPS:
             options.setdefault("reduction", "sum_over_batch_size")
         options = fn.check_options(**options)
-        mask = options.get("mask")
-        if mask is not None and (isinstance(mask, bool) or not isinstance(mask, (str, int))):
-            raise TypeError(
-                "A Term's `options['mask']` names the input that holds the mask (a dict key "
-                f"or a list position, like `inputs`); got {type(mask).__name__}. Feed the "
-                "mask to the objective beside the tensors and name it here."
-            )
+        inputs = {name: options[name] for name in fn.tensor_options if options.get(name) is not None}
+        for name, key in inputs.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise TypeError(
+                    f"A Term's `options[{name!r}]` names the input that holds it (a dict key "
+                    f"or a list position, like `inputs`); got {type(key).__name__}. Feed the "
+                    "tensor to the objective beside the others and name it here."
+                )
         super().__init__(fn, options)
-        self.mask_input = mask
+        self.option_inputs = inputs
         self.sums_over_samples = options.get("reduction") == "sum"
         required = [
             p
@@ -224,12 +226,18 @@ class _OpPenalty(_Penalty):
         self._loss = _OpLoss(self) if has_samples else None
 
     def __call__(self, *tensors):
-        if self.mask_input is not None:
-            *tensors, mask = tensors
-            return self.fn(*tensors, **{**self.options, "mask": mask})
+        if self.option_inputs:
+            given = len(tensors) - len(self.option_inputs)
+            options = dict(zip(self.option_inputs, tensors[given:]))
+            return self.fn(*tensors[:given], **{**self.options, **options})
         return self.fn(*tensors, **self.options)
 
     def loss_tensors(self, y_true, y_pred):
+        if self.option_inputs:
+            raise ValueError(
+                f"{self.fn.__name__}: options {sorted(self.option_inputs)} name inputs, and a CompositeLoss "
+                "term gets only (y_true, y_pred). Use a CompositeObjective with `inputs=(...)`."
+            )
         if self._tensors_needed > 2:
             raise ValueError(
                 f"{self.fn.__name__} takes {self._tensors_needed} tensors; a CompositeLoss term gets "

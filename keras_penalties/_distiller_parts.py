@@ -25,11 +25,6 @@ class Head:
         hidden, kwargs = _keras_internals.head_call(model, head, argument)
         self.layer = head
         if hasattr(head, "tie_weights") and hasattr(head, "embeddings"):  # a reversible (tied) embedding
-            if getattr(head, "logit_soft_cap", None) is not None:
-                raise ValueError(
-                    f"`{argument}`: {head.name} soft-caps its logits (tanh), so they are not linear in the "
-                    "hidden states; fusing it is not supported."
-                )
             self.kind = "tied" if head.tie_weights else "untied"
         elif isinstance(head, keras.layers.Dense):
             if head.activation is not keras.activations.linear:
@@ -48,12 +43,15 @@ class Head:
         self.hidden_model = keras.Model(inputs, hidden, name=f"{model.name}_hidden_states")
 
     def logits(self, hidden):
-        """`ops.linear` of `hidden` through the head."""
+        """`ops.linear` of `hidden` through the head (soft-capped as a
+        reversible embedding's `logit_soft_cap` says: Gemma 2's heads)."""
         head = self.layer
         if self.kind == "tied":
-            return penalties.linear(hidden, head.embeddings, transpose_kernel=True)
+            return penalties.linear(
+                hidden, head.embeddings, transpose_kernel=True, soft_cap=getattr(head, "logit_soft_cap", None)
+            )
         if self.kind == "untied":
-            return penalties.linear(hidden, head.reverse_embeddings)
+            return penalties.linear(hidden, head.reverse_embeddings, soft_cap=getattr(head, "logit_soft_cap", None))
         return penalties.linear(hidden, head.kernel, head.bias if head.use_bias else None)
 
 

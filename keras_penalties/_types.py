@@ -37,6 +37,15 @@ EntropyMode: TypeAlias = Literal["penalty", "bonus"]
 Divergence: TypeAlias = Literal["kl", "js"]
 Estimator: TypeAlias = Literal["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"]
 PolicyLoss: TypeAlias = Literal["reinforce", "importance_sampling", "ppo", "cispo"]
+# Whose ratio a policy loss reads: each token's, GSPO's sequence ratio, or
+# GSPO-token's (the sequence ratio's value with a per-token gradient).
+PolicyLevel: TypeAlias = Literal["token", "sequence", "sequence_token"]
+# Importance weights per token, per sequence (the product of its tokens'
+# ratios) or its geometric mean.
+ImportanceLevel: TypeAlias = Literal["token", "sequence", "geometric"]
+ImportanceMode: TypeAlias = Literal["truncate", "mask"]
+# An optional bound on each side: (low, high), either None.
+Bounds: TypeAlias = tuple[Optional[float], Optional[float]]
 Weighting: TypeAlias = Optional[Literal["uncertainty", "famo"]]
 Center: TypeAlias = Union[float, Literal["mean"], None]
 ChunkSize: TypeAlias = Union[int, Literal["auto"], None]
@@ -57,6 +66,7 @@ PenaltyName: TypeAlias = Literal[
     "orthogonality",
     "output_magnitude",
     "policy_loss",
+    "topk_kl",
 ]
 # A term's penalty: an ops function's name, or a callable of tensors (an ops
 # function, a Regularizer, a Loss, any function returning a scalar).

@@ -22,18 +22,24 @@ class OptionsChecked(Protocol[_P, _R_co]):
     """What `options` makes of a function: the function, with its own
     signature for type checkers and IDEs, plus `check_options`."""
 
+    tensor_options: tuple[str, ...]
+
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
 
     def check_options(self, **options: Any) -> dict[str, Any]: ...
 
 
-def options(**checks: Callable[[str, Any], Any]) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
+def options(
+    *, tensors: tuple[str, ...] = (), **checks: Callable[[str, Any], Any]
+) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
     """Decorator: validates (and normalises) keyword options before the call.
 
     `checks` maps an option name to a function `(name, value) -> value` that
     raises `ValueError`/`TypeError` naming the option. The decorated function
     gets `check_options(**options) -> dict`, which validates options without
-    calling it and rejects names the function does not take.
+    calling it and rejects names the function does not take, and
+    `tensor_options`: `tensors`, the options that take tensors (a mask,
+    weights, another log-probability), which a `Term` feeds from its inputs.
     """
 
     def decorate(fn: Callable[_P, _R]) -> OptionsChecked[_P, _R]:
@@ -54,6 +60,7 @@ def options(**checks: Callable[[str, Any], Any]) -> Callable[[Callable[_P, _R]],
             return call(*args, **check_options(**opts))
 
         wrapper.check_options = check_options  # type: ignore[attr-defined]
+        wrapper.tensor_options = tuple(tensors)  # type: ignore[attr-defined]
         return cast("OptionsChecked[_P, _R]", wrapper)
 
     return decorate

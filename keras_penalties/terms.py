@@ -97,10 +97,12 @@ class Term:
             (y_true, y_pred). `None`: the single tensor (or all list entries).
         enabled: whether the term counts in the total.
         options: keyword options for the penalty; checked now for ops
-            functions. The `mask` option of `kl_divergence`,
-            `js_divergence` and `entropy` names an input (a dict key or a
-            list position, like `inputs`): the token mask fed beside the
-            tensors, e.g. `options={"from_logits": True, "mask": "mask"}`.
+            functions. An ops function's tensor options — `mask` (of the
+            divergences, `entropy`, `cross_entropy`, `kl_estimate`,
+            `policy_loss`, `topk_kl`), `weights` (`policy_loss`),
+            `old_logprobs` (`kl_estimate`) — name an input (a dict key or a
+            list position, like `inputs`): the tensor fed beside the
+            others, e.g. `options={"from_logits": True, "mask": "mask"}`.
         metrics: dict name → callable of the same tensors (or the name of an
             ops function, with the default reduction a term of that name
             gets), returning a scalar: extra numbers reported beside the term
@@ -149,23 +151,25 @@ class Term:
                     f"`inputs` must be None or a non-empty sequence of names or positions; got {inputs!r}."
                 )
         self.inputs = inputs
-        if self.mask_input is not None and inputs is None:
+        if self.option_inputs and inputs is None:
+            name, key = next(iter(self.option_inputs.items()))
             raise ValueError(
-                f"`options['mask']`={self.mask_input!r} names an input, so the term needs "
+                f"`options[{name!r}]`={key!r} names an input, so the term needs "
                 "`inputs=(...)` naming the tensors it takes from the same dict or list."
             )
         self.enabled = check.boolean("enabled", enabled)
         self.metrics = _check_metrics(metrics)
 
     @property
-    def mask_input(self) -> str | int | None:
-        """The name or position of the input holding the term's mask, or None."""
-        return self._penalty.mask_input
+    def option_inputs(self) -> dict[str, str | int]:
+        """Each tensor option (`mask`, `weights`, …) the term feeds from its
+        inputs, with the name or position of the input holding it."""
+        return dict(self._penalty.option_inputs)
 
     @property
     def reads(self):
-        """Every input the term reads: its `inputs`, then its mask's."""
-        return self.inputs if self.mask_input is None else self.inputs + (self.mask_input,)
+        """Every input the term reads: its `inputs`, then its tensor options'."""
+        return self.inputs + tuple(self._penalty.option_inputs.values()) if self.inputs else self.inputs
 
     @property
     def scheduled(self) -> bool:
@@ -220,15 +224,15 @@ class Term:
 
     def metric_values(self, name: str, inputs: Any) -> list[Tensor]:
         """Each of the term's `metrics` on what an objective was fed (the
-        tensors the term reads, its mask excluded), as float32 scalars."""
+        tensors the term reads, its tensor options excluded), as float32
+        scalars."""
         tensors = self.arguments(name, inputs)
-        if self.mask_input is not None:
-            tensors = tensors[:-1]
-        return self._metrics_on(tensors)
+        options = len(self._penalty.option_inputs)
+        return self._metrics_on(tensors[: len(tensors) - options])
 
     def __call__(self, *tensors: TensorLike) -> Tensor:
         """The unweighted value of the penalty on `tensors` (those `reads`
-        names: the mask, if the term has one, comes last)."""
+        names: the tensor options, if the term has any, come last)."""
         return self._penalty(*tensors)
 
     # -------------------------------------------- in a CompositeLoss

@@ -392,8 +392,44 @@ OPS_ON_ARRAYS = {
             LOGPROBS, OLD, None, ADVANTAGES, np.ones(LOGPROBS.shape), 0.0, 0.2, 0.2, "bnpo"
         ),
     ),
+    "importance_weights": (
+        lambda: P.importance_weights(LOGPROBS, OLD)[0],
+        lambda: np.minimum(np.exp(LOGPROBS.astype(np.float64) - OLD), 2.0),
+    ),
+    "off_policy_mask": (
+        lambda: P.off_policy_mask(LOGPROBS, OLD, ADVANTAGES, threshold=0.05),
+        lambda: np.broadcast_to(
+            ~((ADVANTAGES[:, None] < 0) & (np.mean(OLD - LOGPROBS.astype(np.float64), 1, keepdims=True) > 0.05)),
+            LOGPROBS.shape,
+        ),
+    ),
+    "clip_fraction": (
+        lambda: P.clip_fraction(LOGPROBS, OLD, ADVANTAGES)["region"],
+        lambda: rl_fraction(LOGPROBS, OLD, ADVANTAGES),
+    ),
+    "topk_kl": (
+        lambda: P.topk_kl(np.log(PROBS[0][:, :2]), np.log(PROBS[1][:, :2])),
+        lambda: np.mean(_two_ids_and_rest()),
+    ),
+    "discounted_cumsum": (
+        lambda: P.discounted_cumsum(LOGPROBS, 0.5),
+        lambda: np.stack([sum(0.5**k * LOGPROBS[:, t + k] for k in range(7 - t)) for t in range(7)], -1),
+    ),
 }
 _covers(*(f"ops.{name}" for name in OPS_ON_ARRAYS))
+
+
+def rl_fraction(logprobs, old, advantages):
+    """PPO's clip region at (0.2, 0.2): the fraction of tokens clipped."""
+    ratio = np.exp(logprobs.astype(np.float64) - old)
+    a = advantages[:, None]
+    return np.mean(((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0)))
+
+
+def _two_ids_and_rest():
+    """KL over the first two classes and the rest merged into one bin."""
+    p, q = (np.concatenate([x[:, :2], x[:, 2:].sum(-1, keepdims=True)], -1).astype(np.float64) for x in PROBS)
+    return np.sum(p * np.log(p / q), -1)
 
 
 @pytest.mark.parametrize("name", sorted(OPS_ON_ARRAYS))

@@ -65,11 +65,12 @@ names, and importing fails if one is defined by neither):
   `columns` are the k sums Σᵣ weights[r, j]·fn(…)[r, j], not differentiated
   (the total is theirs); with weights [n], `columns` is the total.
 - `chunked_values(fn, rows, heads, chunk_size, dtype)`: the per-row
-  values fn(logits, rows)[r] over chunks of `chunk_size` rows (the heads'
-  logits formed a chunk at a time, as in `chunked_sum`), with no gradient
-  formed in the forward pass: the upstream gradient
-  (one number a row) is known only in the backward pass, which forms each
-  chunk again as `chunked_sum` with it as the weights.
+  values fn(logits, rows)[r] ([n], or [n, k] for k values a row) over
+  chunks of `chunk_size` rows (the heads' logits formed a chunk at a time,
+  as in `chunked_sum`), with no gradient formed in the forward pass: the
+  upstream gradient (the values' shape) is known only in the backward
+  pass, which forms each chunk again as `chunked_sum` with it as the
+  weights.
 - `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax
   of its inputs (`ops._numerics.sharing`; torch only: XLA and TF's graph
   optimizer merge repeated ones).

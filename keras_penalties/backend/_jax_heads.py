@@ -275,9 +275,10 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
 
 
 def chunked_values(fn, rows, heads, chunk_size, dtype):
-    """fn(logits, rows) for every row, `chunk_size` rows at a time: no
-    [rows, classes] array forward or backward. The upstream gradient holds
-    one number a row, known only in the backward pass: that pass forms each
+    """fn(logits, rows) for every row ([rows] or [rows, k]), `chunk_size`
+    rows at a time: no [rows, classes] array forward or backward. The
+    upstream gradient, of the values' shape, is known only in the backward
+    pass: that pass forms each
     chunk's logits again, as `chunked_sum` with it as the weights (a
     `custom_vjp` over the inputs JAX differentiates; under Keras'
     `DataParallel`, each device maps its own rows)."""
@@ -363,4 +364,4 @@ def _local_values(fn, rows, heads, chunk_size, dtype):
         return fn(logits, [cast(r) for r in chunk_rows])
 
     values = jax.lax.map(chunk, ([split(r) for r in rows], [split(h[0]) for h in heads]))
-    return values.reshape(-1)
+    return values.reshape((-1,) + values.shape[2:])

@@ -139,7 +139,7 @@ class _ChunkedValues(torch.autograd.Function):
 
         params = [(cast(k), cast(b), t) for _, k, b, t in heads]
         n = (heads[0][0] if heads else rows[0]).shape[0]
-        values = torch.empty((n,), dtype=dtype, device=tensors[0].device)
+        values = None
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 stop = start + chunk_size
@@ -149,7 +149,10 @@ class _ChunkedValues(torch.autograd.Function):
                     else torch.addmm(b, cast(h[0][start:stop]), k.T if t else k)
                     for h, (k, b, t) in zip(heads, params)
                 ]
-                values[start:stop] = fn(logits, [cast(r[start:stop]) for r in rows])
+                chunk = fn(logits, [cast(r[start:stop]) for r in rows])
+                if values is None:  # [n] or [n, k]: the first chunk's values say which
+                    values = torch.empty((n, *chunk.shape[1:]), dtype=dtype, device=tensors[0].device)
+                values[start:stop] = chunk
         ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout = fn, chunk_size, dtype, layout
         ctx.save_for_backward(*tensors)
         return values
@@ -172,9 +175,10 @@ class _ChunkedValues(torch.autograd.Function):
 
 
 def chunked_values(fn, rows, heads, chunk_size, dtype):
-    """fn(logits, rows) for every row, `chunk_size` rows at a time, with no
-    gradient formed in the forward pass: the upstream gradient holds one
-    number a row, known only in the backward pass, which forms each chunk's
+    """fn(logits, rows) for every row ([rows] or [rows, k]), `chunk_size`
+    rows at a time, with no gradient formed in the forward pass: the
+    upstream gradient, of the values' shape, is known only in the backward
+    pass, which forms each chunk's
     logits again through `_ChunkedSum` with it as the weights (an
     `autograd.Function` that keeps its inputs, not their chunks: a second
     backward pass computes the chunks again)."""

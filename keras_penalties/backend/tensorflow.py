@@ -356,11 +356,12 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
 
 
 def chunked_values(fn, rows, heads, chunk_size, dtype):
-    """fn(logits, rows) for every row, `chunk_size` rows at a time, with no
-    gradient formed in the forward pass (a `map_fn`, one chunk at a time):
-    the upstream gradient holds one number a row, known only in the
-    backward pass, which forms each chunk's logits again as `chunked_sum`
-    with it as the weights, under a tape of its own."""
+    """fn(logits, rows) for every row ([rows] or [rows, k]), `chunk_size`
+    rows at a time, with no gradient formed in the forward pass (a
+    `map_fn`, one chunk at a time): the upstream gradient, of the values'
+    shape, is known only in the backward pass, which forms each chunk's
+    logits again as `chunked_sum` with it as the weights, under a tape of
+    its own."""
     rows = [tf.convert_to_tensor(r) for r in rows]
     transposed = [head[3] for head in heads]
     parts = [[None if p is None else tf.convert_to_tensor(p) for p in head[:3]] for head in heads]
@@ -406,7 +407,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
             found = iter(tape.gradient(total, watched) if watched else [])
             return [next(found) if w else None for w in wanted]
 
-        return tf.reshape(values, [-1]), gradient
+        return tf.reshape(values, tf.concat([[-1], tf.shape(values)[2:]], 0)), gradient
 
     return run(*flat)
 

@@ -26,11 +26,29 @@ from keras_penalties.ops.magnitude import (
     l2 as l2,
     output_magnitude as output_magnitude,
 )
+from keras_penalties.ops.off_policy import (
+    clip_fraction as clip_fraction,
+    importance_weights as importance_weights,
+    off_policy_mask as off_policy_mask,
+)
 from keras_penalties.ops.orthogonality import orthogonality as orthogonality
 from keras_penalties.ops.policy import kl_estimate as kl_estimate, policy_loss as policy_loss
+from keras_penalties.ops.returns import discounted_cumsum as discounted_cumsum
+from keras_penalties.ops.topk import topk_kl as topk_kl
 
-# The functions a `Term` may name: each returns a scalar penalty (not
-# `linear`, which describes logits for them).
+# The functions a `Term` may name: each returns a scalar penalty.
 PENALTIES = get_args(PenaltyName)
+# The others return tensors (logits described, per-token values, weights,
+# masks, fractions), called in the model, the training step or the data
+# pipeline.
+TENSOR_OPS = (
+    "LinearLogits",
+    "linear",
+    "token_logprobs",
+    "importance_weights",
+    "off_policy_mask",
+    "clip_fraction",
+    "discounted_cumsum",
+)
 
-__all__ = ["LinearLogits", "linear", "token_logprobs", *PENALTIES]
+__all__ = [*TENSOR_OPS, *PENALTIES]

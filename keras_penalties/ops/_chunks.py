@@ -105,8 +105,10 @@ def padded_rows(x, n, chunk_size, value):
 
 
 def unpadded_rows(values, n, chunk_size):
-    """The `n` values of the rows `padded_rows` padded, in their order."""
+    """The `n` values ([rows] or [rows, k]) of the rows `padded_rows`
+    padded, in their order."""
     blocks = _row_blocks(n)
     if blocks == 1:
         return values[:n]
-    return ops.reshape(ops.reshape(values, (blocks, -1))[:, : n // blocks], (n,))
+    rest = tuple(values.shape[1:])
+    return ops.reshape(ops.reshape(values, (blocks, -1) + rest)[:, : n // blocks], (n,) + rest)

@@ -28,15 +28,24 @@ class LinearLogits:
     `kl_divergence`, `js_divergence`, `entropy` and `cross_entropy`.
 
     Attributes: `hidden` [..., H]; `kernel` [H, V], or [V, H] with
-    `transpose_kernel`; `bias` [V] or None; `shape`, the logits' shape
-    (`hidden`'s leading axes, then V).
+    `transpose_kernel`; `bias` [V] or None; `soft_cap` None or c > 0 (the
+    logits are then c·tanh(z / c)); `shape`, the logits' shape (`hidden`'s
+    leading axes, then V).
     """
 
-    def __init__(self, hidden: Tensor, kernel: Tensor, bias: Tensor | None, transpose_kernel: bool) -> None:
+    def __init__(
+        self,
+        hidden: Tensor,
+        kernel: Tensor,
+        bias: Tensor | None,
+        transpose_kernel: bool,
+        soft_cap: float | None = None,
+    ) -> None:
         self.hidden = hidden
         self.kernel = kernel
         self.bias = bias
         self.transpose_kernel = transpose_kernel
+        self.soft_cap = soft_cap
 
     @property
     def classes(self) -> int | None:
@@ -61,7 +70,14 @@ class LinearLogits:
     def logits_of(self, rows: Tensor, params: list[Tensor]) -> Tensor:
         """The logits of hidden `rows` [n, H] with `params` (as `params()`)."""
         logits = backend.project(rows, params[0], self.transpose_kernel)
-        return logits if len(params) == 1 else logits + params[1]
+        return self.capped(logits if len(params) == 1 else logits + params[1])
+
+    def capped(self, logits: Tensor) -> Tensor:
+        """`logits` (z = hidden @ kernel + bias) soft-capped: c·tanh(z / c)."""
+        if self.soft_cap is None:
+            return logits
+        cap = ops.cast(self.soft_cap, logits.dtype)
+        return ops.tanh(logits / cap) * cap
 
     def materialise(self, compute: str) -> Tensor:
         """The whole logits, computed in `compute` (float32 from half inputs)."""
@@ -71,7 +87,8 @@ class LinearLogits:
     def __repr__(self) -> str:
         kernel = "kernelᵀ" if self.transpose_kernel else "kernel"
         bias = "" if self.bias is None else " + bias"
-        return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}>"
+        cap = "" if self.soft_cap is None else f", soft-capped at {self.soft_cap}"
+        return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}{cap}>"
 
 
 def token_level(
@@ -167,19 +184,24 @@ def _fused_parts(values_fn, tensors, labels, chunk_size):
     hidden states give the bias as logits, zero logits and label 0 are as
     finite); the function of a chunk's logits and rows; the number of
     positions; the rows per chunk."""
-    rows, heads, sources = [], [], []
+    rows, heads, sources, lazy = [], [], [], []
     for t in tensors:
         if isinstance(t, LinearLogits):
             sources.append((True, len(heads)))
             heads.append([t.rows(), t.kernel, t.bias, t.transpose_kernel])
+            lazy.append(t)
         else:
             sources.append((False, len(rows)))
             rows.append(ops.reshape(t, (-1, ops.shape(t)[-1])))
     if labels is not None:
-        rows.append(ops.reshape(labels, (-1,)))
+        # One label a position, or several ([..., K]: `token_columns`).
+        extra = len(labels.shape) - len(reductions.without_axis(tensors[0].shape, len(tensors[0].shape) - 1))
+        rows.append(ops.reshape(labels, (-1,) + tuple(labels.shape[len(labels.shape) - extra :])))
 
     def values(logits, chunk_rows):
-        inputs = [logits[i] if is_head else chunk_rows[i] for is_head, i in sources]
+        # A soft cap inside the chunk's function: its gradient is in the
+        # logits' gradient the chunk loop forms.
+        inputs = [lazy[i].capped(logits[i]) if is_head else chunk_rows[i] for is_head, i in sources]
         extra = {} if labels is None else {"labels": chunk_rows[-1]}
         return values_fn(*inputs, axis=-1, **extra)
 
@@ -245,3 +267,41 @@ def _fused_values(values_fn, tensors, labels, chunk_size, compute):
     flat = backend.chunked_values(values, rows, heads, chunk_size, compute)
     like = tensors[0].hidden if isinstance(tensors[0], LinearLogits) else tensors[0]
     return ops.reshape(chunks.unpadded_rows(flat, n, chunk_size), tuple(ops.shape(like)[:-1]))
+
+
+def token_columns(values_fn, logits, labels, mask, chunk_size, what):
+    """Several values a position from one class tensor (logits, or lazy
+    `LinearLogits`): `values_fn(logits, labels=...)` gives [rows, k] from
+    [rows, classes] logits and the rows' labels; returned as the positions'
+    shape + (k,), 0 where `mask` drops a position (no gradient there), in
+    the logits' dtype. With `chunk_size` the rows are taken a chunk at a
+    time (`backend.chunked_values`): lazy logits are formed a chunk at a
+    time, forward and again in the backward pass, formed ones only read.
+    `labels` has the positions' shape plus `what` trailing axes (0 or 1)."""
+    lazy = isinstance(logits, LinearLogits)
+    logits = logits if lazy else backend.as_tensor(logits)
+    parts = logits.parts() if lazy else [logits]
+    compute, dtype = dtypes.dtype_pair(parts)
+    check.check_rank("logits", logits, 1, num.DISTRIBUTION_AXIS)
+    positions = tuple(logits.shape[:-1])
+    mask = reductions.sample_mask(mask, logits, len(logits.shape) - 1)
+    labels = ops.cast(ops.convert_to_tensor(labels), "int32")
+    got = tuple(labels.shape)
+    if reductions.shapes_differ(got[: len(got) - what], positions) or len(got) != len(positions) + what:
+        trailing = " plus K ids a position" if what else ""
+        raise ValueError(f"`labels` must have the logits' shape without the class axis{trailing}; got {got}.")
+    if mask is not None:
+        kept = mask if not what else ops.expand_dims(mask, -1)
+        labels = ops.where(kept, labels, ops.zeros_like(labels))
+    if chunk_size is None:
+        formed = logits.materialise(compute) if lazy else ops.cast(logits, compute)
+        flat = ops.reshape(formed, (-1, ops.shape(formed)[-1]))
+        flat_labels = ops.reshape(labels, (-1,) + tuple(labels.shape[len(positions) :]))
+        values = values_fn(flat, labels=flat_labels)
+    else:
+        fn, rows, heads, n, chunk_size = _fused_parts(values_fn, [logits], labels, chunk_size)
+        values = chunks.unpadded_rows(backend.chunked_values(fn, rows, heads, chunk_size, compute), n, chunk_size)
+    values = ops.reshape(values, tuple(ops.shape(parts[0])[:-1]) + (-1,))
+    if mask is not None:
+        values = ops.where(ops.expand_dims(mask, -1), values, ops.zeros_like(values))
+    return dtypes.from_compute(values, dtype)

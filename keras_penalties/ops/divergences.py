@@ -40,6 +40,8 @@ _DISTRIBUTION_OPTIONS = dict(
     reduction=check.REDUCTION,
 )
 _TOKEN_OPTIONS = dict(chunk_size=check.chunk_size)
+# The token-level ops' mask, which a Term feeds from its inputs.
+_TOKEN_TENSORS = ("mask",)
 
 
 def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_rank: int = 1) -> int:
@@ -49,7 +51,7 @@ def _check_pair(p: Tensor, q: Tensor, names: tuple[str, str], axis: int, min_ran
     return check.check_axis("axis", axis, max(len(p.shape), 1))
 
 
-@check.options(direction=check.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(tensors=_TOKEN_TENSORS, direction=check.choice(*DIRECTIONS), **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def kl_divergence(
     p: TensorLike | LinearLogits,
     q: TensorLike | LinearLogits,
@@ -157,7 +159,7 @@ def _beta(name: str, value: float) -> float:
     return value
 
 
-@check.options(beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
+@check.options(tensors=_TOKEN_TENSORS, beta=_beta, **_DISTRIBUTION_OPTIONS, **_TOKEN_OPTIONS)
 def js_divergence(
     p: TensorLike | LinearLogits,
     q: TensorLike | LinearLogits,
@@ -193,7 +195,10 @@ def js_divergence(
 
 
 @check.options(
-    normalize=check.boolean, **{**_DISTRIBUTION_OPTIONS, "reduction": check.TOKEN_REDUCTION}, **_TOKEN_OPTIONS
+    tensors=_TOKEN_TENSORS,
+    normalize=check.boolean,
+    **{**_DISTRIBUTION_OPTIONS, "reduction": check.TOKEN_REDUCTION},
+    **_TOKEN_OPTIONS,
 )
 def entropy(
     x: TensorLike | LinearLogits,

@@ -18,12 +18,17 @@ from keras_penalties import backend
 from keras_penalties._types import ChunkSize, Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.ops._tokens import LinearLogits, token_level
+from keras_penalties.ops._tokens import LinearLogits, token_columns, token_level
 
 
-@check.options(transpose_kernel=check.boolean)
+@check.options(transpose_kernel=check.boolean, soft_cap=check.optional(check.positive))
 def linear(
-    hidden: TensorLike, kernel: TensorLike, bias: TensorLike | None = None, *, transpose_kernel: bool = False
+    hidden: TensorLike,
+    kernel: TensorLike,
+    bias: TensorLike | None = None,
+    *,
+    transpose_kernel: bool = False,
+    soft_cap: float | None = None,
 ) -> LinearLogits:
     """The logits `hidden @ kernel (+ bias)`, described but not formed.
 
@@ -46,13 +51,17 @@ def linear(
             never copied).
         bias: None, or [V].
         transpose_kernel: whether `kernel` is [V, H].
+        soft_cap: None, or c > 0: the logits are c·tanh(z / c) of
+            z = hidden @ kernel (+ bias), in float32 inside each chunk, with
+            its gradient (Gemma 2's `final_logit_soft_cap`, keras-hub's
+            `ReversibleEmbedding(logit_soft_cap=...)`).
 
     Returns:
         A `LinearLogits` of shape `hidden.shape[:-1] + (V,)`.
 
     Raises:
         ValueError: `kernel` not of rank 2, its H axis not `hidden`'s last
-            axis, or `bias` not of shape [V].
+            axis, `bias` not of shape [V], or `soft_cap` ≤ 0.
 
     Example:
 
@@ -80,7 +89,7 @@ def linear(
             + ("" if transpose_kernel else " (a tied [V, H] embedding needs transpose_kernel=True)")
             + "."
         )
-    lazy = LinearLogits(hidden, kernel, None, transpose_kernel)
+    lazy = LinearLogits(hidden, kernel, None, transpose_kernel, soft_cap)
     if bias is not None:
         bias = ops.convert_to_tensor(bias)
         if len(bias.shape) != 1 or (
@@ -92,6 +101,7 @@ def linear(
 
 
 @check.options(
+    tensors=("mask",),
     from_logits=check.boolean,
     label_smoothing=check.closed_unit,
     temperature=check.positive,
@@ -160,7 +170,7 @@ def cross_entropy(
     )
 
 
-@check.options(temperature=check.positive, chunk_size=check.chunk_size)
+@check.options(tensors=("mask",), temperature=check.positive, chunk_size=check.chunk_size, return_entropy=check.boolean)
 def token_logprobs(
     labels: TensorLike,
     logits: TensorLike | LinearLogits,
@@ -168,7 +178,8 @@ def token_logprobs(
     temperature: float = 1.0,
     mask: TensorLike | None = None,
     chunk_size: ChunkSize = None,
-) -> Tensor:
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """log p(label) at each position: the sampled tokens' log-probabilities.
 
     The shape of `labels` (TRL's `selective_log_softmax`), equal to
@@ -178,14 +189,29 @@ def token_logprobs(
     `kernel` and `bias` (each chunk's logits are formed again in the
     backward pass). What `kl_estimate` and `policy_loss` take.
 
+    `labels` with one more axis ([..., K]: several ids a position) give
+    [..., K] log-probabilities of those ids, fused and chunked the same way:
+    a sampler's top-k or top-p set replayed (its renormalised
+    log-probability is the label's minus the logsumexp over the set), or a
+    teacher's top-k for `topk_kl`.
+
     Args:
         labels: integer token ids, the logits' shape without the class
-            axis (e.g. [batch, tokens]).
+            axis (e.g. [batch, tokens]), or that plus K ids a position.
         logits: logits [..., V] or `ops.linear(...)`.
         temperature: T > 0 dividing the logits (a sampler's temperature).
         mask: None, or the positions that count: the others are 0 and carry
             no gradient (their labels are not read).
         chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`).
+        return_entropy: also return the entropy (nats) of softmax(logits /
+            T) at each position, from the same chunks (no extra matrix
+            product), with its gradient (TRL's
+            `_get_per_token_logps_and_entropies`): `(logprobs, entropy)`.
+
+    Returns:
+        The log-probabilities, `labels`' shape; with `return_entropy`, a
+        pair whose entropy has the positions' shape (one a position, also
+        with K ids). In the logits' dtype.
 
     Example:
 
@@ -194,11 +220,49 @@ def token_logprobs(
     >>> logits = [[math.log(3.0), 0.0]]  # p = [¾, ¼]
     >>> [round(float(v), 6) for v in P.token_logprobs([1], logits)]  # ln ¼
     [-1.386294]
+    >>> logprobs, entropy = P.token_logprobs([[0, 1]], logits, return_entropy=True)
+    >>> [round(float(v), 6) for v in logprobs[0]], round(float(entropy[0]), 6)  # ln ¾, ln ¼; −Σ p ln p
+    ([-0.287682, -1.386294], 0.562335)
     """
-    values = cross_entropy(
-        labels, logits, from_logits=True, temperature=temperature, mask=mask, reduction="none", chunk_size=chunk_size
-    )
-    return ops.negative(values)
+    ids = ops.convert_to_tensor(labels)
+    if not isinstance(logits, LinearLogits):
+        logits = backend.as_tensor(logits)
+    positions = len(logits.shape) - 1
+    if len(ids.shape) not in (positions, positions + 1):
+        raise ValueError(
+            f"`labels` must have the logits' shape without the class axis, {tuple(logits.shape[:-1])}, or that "
+            f"plus K ids a position; got {tuple(ids.shape)}."
+        )
+    several = len(ids.shape) == positions + 1
+    if not several and not return_entropy:
+        values = cross_entropy(
+            labels,
+            logits,
+            from_logits=True,
+            temperature=temperature,
+            mask=mask,
+            reduction="none",
+            chunk_size=chunk_size,
+        )
+        return ops.negative(values)
+    columns = functools.partial(_logprob_columns, temperature=temperature, entropy=return_entropy, several=several)
+    values = token_columns(columns, logits, ids, mask, chunk_size, 1 if several else 0)
+    logprobs = values[..., :-1] if return_entropy else values
+    if not several:
+        logprobs = logprobs[..., 0]
+    return (logprobs, values[..., -1]) if return_entropy else logprobs
+
+
+def _logprob_columns(
+    logits: Tensor, *, labels: Tensor, temperature: float, entropy: bool, several: bool, axis: int = -1
+) -> Tensor:
+    """[rows, K (+ 1)]: log p of each row's labels ([rows] or [rows, K]) and,
+    with `entropy`, the row's entropy last (classes on the last `axis`)."""
+    logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
+    picked = ops.take_along_axis(logp, labels if several else labels[:, None], axis=-1)
+    if not entropy:
+        return picked
+    return ops.concatenate([picked, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
 
 
 def _cross_entropy_values(

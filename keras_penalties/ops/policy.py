@@ -1,5 +1,5 @@
 """Fine-tuning against a reference from sampled tokens' log-probabilities:
-KL estimators and policy-gradient losses (PPO, GRPO, DAPO, CISPO).
+KL estimators and policy-gradient losses (PPO, GRPO, DAPO, CISPO, GSPO).
 
 Notation per sampled token: d = logprobs − ref_logprobs,
 r = exp(logprobs − old_logprobs), sg = stop-gradient. Inputs are per-token
@@ -16,35 +16,29 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import Estimator, PolicyLoss, Tensor, TensorLike, TokenReduction
+from keras_penalties._types import Estimator, PolicyLevel, PolicyLoss, Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _ratios as ratios
 from keras_penalties.ops import _reductions as reductions
 
 ESTIMATORS = get_args(Estimator)
 POLICY_LOSSES = get_args(PolicyLoss)
-# The log-ratio's clamp before its exponential (verl's, TRL's): e^20 ≈ 4.9e8.
-_LOG_RATIO_LIMIT = 20.0
-
-
-def _pair(name, value):
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
-        raise ValueError(f"`{name}` must be a pair of numbers; got {value!r}.")
-    return tuple(check.number(name, v) for v in value)
+POLICY_LEVELS = get_args(PolicyLevel)
 
 
 def _estimate_clip(name, value):
     """None, or (low, high) with low < high."""
     if value is None:
         return None
-    low, high = _pair(name, value)
+    low, high = ratios.pair(name, value)
     if not low < high:
         raise ValueError(f"`{name}` must be (low, high) with low < high; got {value!r}.")
     return low, high
 
 
-def _ratio_clip(name, value):
+def ratio_clip(name, value):
     """(ε_low, ε_high) with 0 ≤ ε_low < 1 and ε_high ≥ 0."""
-    low, high = _pair(name, value)
+    low, high = ratios.pair(name, value)
     if not (0.0 <= low < 1.0 and high >= 0.0):
         raise ValueError(f"`{name}` must be (ε_low, ε_high) with 0 <= ε_low < 1 and ε_high >= 0; got {value!r}.")
     return low, high
@@ -60,7 +54,28 @@ def _token_values(mask, like, reduction):
     return reductions.sample_mask(mask, like, None)
 
 
-@check.options(estimator=check.choice(*ESTIMATORS), reduction=check.TOKEN_REDUCTION, clip=_estimate_clip)
+def _token_weights(weights, like, dtype):
+    """`weights` ([batch] or `like`'s shape) as a constant that broadcasts
+    against `like`; None stays None."""
+    if weights is None:
+        return None
+    weights = backend.as_tensor(weights)
+    per_sequence = len(weights.shape) == 1 and len(like.shape) > 1
+    expected = (like.shape[0],) if per_sequence else tuple(like.shape)
+    if reductions.shapes_differ(tuple(weights.shape), expected):
+        raise ValueError(
+            f"`weights` must be per sequence ({like.shape[0]},) or per token {tuple(like.shape)}; "
+            f"got {tuple(weights.shape)}."
+        )
+    return ratios.broadcast_advantages(weights, like, dtype)
+
+
+@check.options(
+    tensors=("mask", "old_logprobs"),
+    estimator=check.choice(*ESTIMATORS),
+    reduction=check.TOKEN_REDUCTION,
+    clip=_estimate_clip,
+)
 def kl_estimate(
     logprobs: TensorLike,
     ref_logprobs: TensorLike,
@@ -69,6 +84,7 @@ def kl_estimate(
     mask: TensorLike | None = None,
     reduction: TokenReduction = "mean",
     clip: tuple[float, float] | None = None,
+    old_logprobs: TensorLike | None = None,
 ) -> Tensor:
     """A per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probabilities.
 
@@ -94,14 +110,19 @@ def kl_estimate(
             gradient outside, "+" forms included (verl's `low_var_kl` is
             `"k3"` with `clip=(-10, 10)`; its `low_var_kl+` clamps the value
             and keeps k2's gradient).
+        old_logprobs: None, or log π_old of the tokens, when π_old sampled
+            them (a constant): the estimate (after `clip`) is multiplied by
+            r = exp(clamp(logprobs − old_logprobs, ±20)), with r's gradient,
+            and stays unbiased for KL(π‖π_ref) (DeepSeek-V3.2; TRL's
+            `use_bias_correction_kl`).
 
     Returns:
         The reduced estimate, in logprobs' dtype.
 
     Raises:
         ValueError: an unknown `estimator` or `reduction`, `clip` not
-            (low, high) with low < high, shapes that differ, or a sequence
-            reduction on a rank other than 2.
+            (low, high) with low < high, shapes that differ (`old_logprobs`
+            too), or a sequence reduction on a rank other than 2.
 
     Example:
 
@@ -112,13 +133,15 @@ def kl_estimate(
     """
     logprobs, ref_logprobs = backend.as_tensor(logprobs), backend.as_tensor(ref_logprobs)
     check.check_same_shape(("logprobs", "ref_logprobs"), logprobs, ref_logprobs)
+    if old_logprobs is not None:
+        old_logprobs = backend.as_tensor(old_logprobs)
+        check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
-    d = dtypes.cast_to(logprobs, compute) - ops.stop_gradient(ops.cast(ref_logprobs, compute))
-    if mask is not None:
-        # A masked token's d may be anything (a reference padded with -inf):
-        # 0 there keeps its exponential, and so the gradient, finite.
-        d = ops.where(mask, d, ops.zeros_like(d))
+    logprobs = dtypes.cast_to(logprobs, compute)
+    # A masked token's d may be anything (a reference padded with -inf): 0
+    # there keeps its exponential, and so the gradient, finite.
+    d = ratios.log_ratio(logprobs, ref_logprobs, mask)
     kind = estimator.rstrip("+")
     if kind == "k1":
         value = d
@@ -133,11 +156,18 @@ def kl_estimate(
         value = k2 - ops.stop_gradient(k2) + ops.stop_gradient(value)
     if clip is not None:
         value = ops.clip(value, clip[0], clip[1])
+    if old_logprobs is not None:
+        value = value * ratios.exp_clamped(ratios.log_ratio(logprobs, old_logprobs, mask))
     return dtypes.from_compute(reductions.masked_reduce(value, mask, reduction), dtype)
 
 
 @check.options(
-    kind=check.choice(*POLICY_LOSSES), clip=_ratio_clip, dual_clip=_dual_clip, reduction=check.TOKEN_REDUCTION
+    tensors=("mask", "weights"),
+    kind=check.choice(*POLICY_LOSSES),
+    clip=ratio_clip,
+    dual_clip=_dual_clip,
+    reduction=check.TOKEN_REDUCTION,
+    level=check.choice(*POLICY_LEVELS),
 )
 def policy_loss(
     logprobs: TensorLike,
@@ -149,6 +179,8 @@ def policy_loss(
     dual_clip: float | None = None,
     mask: TensorLike | None = None,
     reduction: TokenReduction = "mean",
+    level: PolicyLevel = "token",
+    weights: TensorLike | None = None,
 ) -> Tensor:
     """The per-token policy-gradient surrogate loss, to minimise.
 
@@ -156,6 +188,12 @@ def policy_loss(
     `"reinforce"` −A·logprobs; `"importance_sampling"` −r·A; `"ppo"`
     max(−r·A, −clip(r, 1 − ε_low, 1 + ε_high)·A), and with `dual_clip` c
     where A < 0 at most −c·A; `"cispo"` −sg(min(r, 1 + ε_high))·A·logprobs.
+
+    `level="sequence"` (GSPO) gives every token of a sequence the sequence's
+    ratio, log r = Σ_t (logprobs − old_logprobs)·M / max(Σ_t M, 1), with its
+    gradient through every kept token; `"sequence_token"` (GSPO-token) its
+    value with each token's own gradient, exp(sg(log r) + logprobs −
+    sg(logprobs)). Either clamps log r to ±20 and is clipped as above.
 
     Args:
         logprobs: log π of each sampled token under the policy being
@@ -171,15 +209,23 @@ def policy_loss(
         mask: None, or the tokens that count (logprobs' shape).
         reduction: as `kl_estimate`'s: `"mean"` over the kept tokens
             (DAPO's token mean), `"sequence_mean"` (GRPO's), …
+        level: `"token"`, `"sequence"` or `"sequence_token"` (a ratio's
+            kind only: not `"reinforce"`), the last two on [batch, tokens].
+        weights: None, or per-token ([batch, tokens]) or per-sequence
+            ([batch]) constants multiplied into the loss before the
+            reduction: importance weights (`importance_weights`), entropy or
+            off-policy masks, as TRL and verl apply them.
 
     Returns:
         The reduced loss, in logprobs' dtype.
 
     Raises:
-        ValueError: an unknown `kind` or `reduction`, `clip` or `dual_clip`
-            out of range, `old_logprobs` None for a ratio, shapes that
-            differ, `advantages` neither [batch] nor logprobs' shape, or a
-            sequence reduction on a rank other than 2.
+        ValueError: an unknown `kind`, `level` or `reduction`, `clip` or
+            `dual_clip` out of range, `old_logprobs` None for a ratio, a
+            `level` other than `"token"` for `"reinforce"`, shapes that
+            differ, `advantages` or `weights` neither [batch] nor
+            logprobs' shape, or a sequence reduction or level on a rank
+            other than 2.
 
     Example:
 
@@ -195,25 +241,21 @@ def policy_loss(
     else:
         old_logprobs = backend.as_tensor(old_logprobs)
         check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
+    if kind == "reinforce" and level != "token":
+        raise ValueError(f"`level={level!r}` reads a ratio; kind='reinforce' has none: use level='token'.")
+    ratios.check_level_rank(level, len(logprobs.shape))
     advantages = backend.as_tensor(advantages)
-    per_sequence = len(advantages.shape) == 1 and len(logprobs.shape) > 1
-    expected = (logprobs.shape[0],) if per_sequence else tuple(logprobs.shape)
-    if reductions.shapes_differ(tuple(advantages.shape), expected):
-        sequences = f"per sequence ({logprobs.shape[0]},) or " if len(logprobs.shape) > 1 else ""
-        raise ValueError(
-            f"`advantages` must be {sequences}per token {tuple(logprobs.shape)}; got {tuple(advantages.shape)}."
-        )
+    ratios.check_advantages(advantages, logprobs)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
+    weights = _token_weights(weights, logprobs, compute)
     logprobs = dtypes.cast_to(logprobs, compute)
-    a = ops.stop_gradient(ops.cast(advantages, compute))
-    if per_sequence:
-        a = ops.reshape(a, (-1,) + (1,) * (len(logprobs.shape) - 1))
+    a = ratios.broadcast_advantages(advantages, logprobs, compute)
     if kind == "reinforce":
         loss = -a * logprobs
     else:
-        log_ratio = logprobs - ops.stop_gradient(ops.cast(old_logprobs, compute))
-        ratio = ops.exp(ops.clip(log_ratio, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        log_ratio = ratios.policy_log_ratio(ratios.log_ratio(logprobs, old_logprobs, mask), mask, level)
+        ratio = ratios.exp_clamped(log_ratio)
         low, high = clip
         if kind == "importance_sampling":
             loss = -ratio * a
@@ -223,4 +265,6 @@ def policy_loss(
                 loss = ops.where(a < 0, ops.minimum(loss, -dual_clip * a), loss)
         else:
             loss = -ops.stop_gradient(ops.minimum(ratio, 1.0 + high)) * a * logprobs
+    if weights is not None:
+        loss = loss * weights
     return dtypes.from_compute(reductions.masked_reduce(loss, mask, reduction), dtype)

@@ -1,0 +1,265 @@
+"""What samples from a sampler or a teacher need: several ids a position and
+the entropy from `token_logprobs` (one pass over the logits, fused from
+hidden states), the top-k KL with its tail bin, discounted returns, and
+soft-capped heads (`ops.linear(..., soft_cap=c)`, Gemma 2's).
+
+Oracles: NumPy float64 transcriptions of TRL's and verl's code
+(tests/off_policy_oracles.py and tests/rl_oracles.py, citing repository,
+path and commit); closed forms (the top-k KL's gradient, the returns'
+linear map); the same op on the formed logits. And every §13 option error,
+before any tensor work.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from keras import ops
+from scipy import special
+
+from keras_penalties import ops as P
+from tests import off_policy_oracles as OP
+from tests import oracles as O
+from tests import rl_oracles as RL
+from tests.testing import assert_finite, assert_raises_as_listed, compiled, grad, grads, to_numpy
+
+RNG = np.random.default_rng(131)
+B, T, H, V, K = 3, 5, 4, 11, 3
+HIDDEN = RNG.normal(size=(B, T, H)).astype("float32")
+KERNEL = RNG.normal(scale=1.2, size=(H, V)).astype("float32")
+BIAS = RNG.normal(size=(V,)).astype("float32")
+LABELS = RNG.integers(0, V, size=(B, T))
+IDS = np.stack([RNG.choice(V, size=K, replace=False) for _ in range(B * T)]).reshape(B, T, K)
+MASK = RNG.uniform(size=(B, T)) < 0.75
+MASK[:, 0] = True
+UPSTREAM = RNG.normal(size=(B, T, K + 1)).astype("float32")
+
+
+def f32(x):
+    return np.asarray(x, "float32")
+
+
+def _logits(hidden, kernel, fused, soft_cap=None):
+    bias = ops.convert_to_tensor(BIAS)
+    if fused:
+        return P.linear(hidden, kernel, bias, soft_cap=soft_cap)
+    logits = ops.matmul(hidden, kernel) + bias
+    return logits if soft_cap is None else soft_cap * ops.tanh(logits / soft_cap)
+
+
+# ------------------------------------------------------------------ several ids, entropy
+
+
+def test_logprobs_and_entropy_equal_trls():
+    logits = RNG.normal(scale=2.0, size=(B, T + 1, V))
+    inputs = np.concatenate([RNG.integers(0, V, size=(B, 1)), LABELS], axis=1)
+    expected_logps, expected_entropy = OP.trl_logps_and_entropies(logits, inputs, T, temperature=0.7)
+    logps, entropy = P.token_logprobs(LABELS, f32(logits[:, :-1]), temperature=0.7, return_entropy=True)
+    np.testing.assert_allclose(to_numpy(logps), expected_logps, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(entropy), expected_entropy, rtol=1e-5, atol=1e-6)
+    g = grad(lambda x: P.token_logprobs(LABELS, x, temperature=0.7, return_entropy=True)[1], f32(logits[:, :-1]))
+    np.testing.assert_allclose(g, OP.trl_entropy_grad(logits, T, temperature=0.7)[:, :-1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2, "auto"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_several_ids_and_the_entropy_in_one_pass(fused, chunk_size):
+    logits = O.np_linear(HIDDEN, KERNEL, BIAS) / 1.5
+    logp = special.log_softmax(logits, axis=-1)
+    expected = np.concatenate(
+        [RL.trl_selective_log_softmax(logits, IDS), -(np.exp(logp) * logp).sum(-1)[..., None]], -1
+    )
+    expected = expected * MASK[..., None]
+
+    def both(hidden, kernel):
+        logprobs, entropy = P.token_logprobs(
+            IDS, _logits(hidden, kernel, fused), temperature=1.5, mask=MASK, chunk_size=chunk_size, return_entropy=True
+        )
+        return ops.concatenate([logprobs, entropy[..., None]], axis=-1)
+
+    np.testing.assert_allclose(to_numpy(both(HIDDEN, KERNEL)), expected, rtol=1e-5, atol=1e-6)
+
+    def weighted(hidden, kernel):
+        return ops.sum(both(hidden, kernel) * ops.convert_to_tensor(UPSTREAM))
+
+    def formed(hidden, kernel):
+        logp = ops.log_softmax(_logits(hidden, kernel, False) / 1.5, axis=-1)
+        columns = [ops.take_along_axis(logp, ops.convert_to_tensor(IDS), axis=-1)]
+        columns.append(-ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True))
+        values = ops.concatenate(columns, axis=-1) * ops.cast(MASK[..., None], "float32")
+        return ops.sum(values * ops.convert_to_tensor(UPSTREAM))
+
+    for got, want in zip(grads(compiled(weighted), HIDDEN, KERNEL), grads(formed, HIDDEN, KERNEL)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_samplers_set_replayed_and_one_id_a_position():
+    # A top-p set's renormalised log-probability: the label's minus the logsumexp over the set.
+    logprobs = to_numpy(P.token_logprobs(IDS, P.linear(HIDDEN, KERNEL, BIAS), chunk_size=4))
+    renormalised = logprobs - special.logsumexp(logprobs, axis=-1, keepdims=True)
+    logits = O.np_linear(HIDDEN, KERNEL, BIAS)
+    within = np.take_along_axis(logits, IDS, axis=-1)
+    np.testing.assert_allclose(renormalised, special.log_softmax(within, axis=-1), rtol=1e-5, atol=1e-6)
+    # One id a position with the entropy: the labels' shape, as without it.
+    logps, entropy = P.token_logprobs(LABELS, P.linear(HIDDEN, KERNEL, BIAS), chunk_size=4, return_entropy=True)
+    assert tuple(logps.shape) == tuple(entropy.shape) == (B, T)
+    np.testing.assert_allclose(to_numpy(logps), RL.trl_selective_log_softmax(logits, LABELS), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ top-k KL
+
+
+def _topk(temperature=1.0):
+    """Both models' log-probabilities of the teacher's top-K ids, and the
+    logits they came from."""
+    student, teacher = (RNG.normal(scale=2.0, size=(B, T, V)) for _ in range(2))
+    ids = np.argsort(-teacher, axis=-1, kind="stable")[..., :K]
+    take = [np.take_along_axis(special.log_softmax(x / temperature, axis=-1), ids, -1) for x in (teacher, student)]
+    return (*take, student, teacher)
+
+
+def test_topk_kl_with_the_tail_equals_trls_and_verls_form():
+    t, s, student, teacher = _topk()
+    labels = np.where(MASK, 0, -100)
+    per_position, loss = OP.trl_iwopd_topk_forward_kl(student, teacher, labels, K, add_tail=True)
+    np.testing.assert_allclose(to_numpy(P.topk_kl(f32(t), f32(s), reduction="none")), per_position, rtol=1e-5)
+    np.testing.assert_allclose(float(P.topk_kl(f32(t), f32(s), mask=MASK)), loss, rtol=1e-5)
+    # Without the tail, the K ids as they are (verl's forward_kl_topk before its clamps, which no value here meets).
+    expected = (np.exp(t) * (t - s)).sum(-1)
+    np.testing.assert_allclose(to_numpy(P.topk_kl(f32(t), f32(s), tail=False, reduction="none")), expected, rtol=1e-5)
+
+
+def test_topk_kl_gradient_reaches_the_student_only():
+    t, s, _, _ = _topk()
+    p, q = np.exp(t), np.exp(s)
+    p_rest, q_rest = 1 - p.sum(-1, keepdims=True), 1 - q.sum(-1, keepdims=True)
+    # ∂/∂s_k of Σ p(t − s) + p_rest(log p_rest − log q_rest): −p_k + p_rest·q_k / q_rest.
+    expected = (-p + p_rest * q / q_rest) / (B * T)
+    teacher_grad, student_grad = grads(lambda a, b: P.topk_kl(a, b), f32(t), f32(s))
+    np.testing.assert_allclose(student_grad, expected, rtol=1e-4, atol=1e-7)
+    np.testing.assert_array_equal(teacher_grad, 0.0)
+
+
+def test_topk_kl_is_finite_where_the_ids_hold_all_the_mass():
+    # Two classes, both ids: p_rest = 0 exactly, the tail adds nothing; and a student whose ids hold it all.
+    t = np.log(f32([[0.25, 0.75]]))
+    s = np.log(f32([[0.5, 0.5]]))
+    expected = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    np.testing.assert_allclose(float(P.topk_kl(t, s)), expected, rtol=1e-5)
+    partial = np.log(f32([[0.25, 0.25]]))
+    value, g = float(P.topk_kl(partial, s)), grads(lambda a, b: P.topk_kl(a, b), partial, s)[1]
+    assert math.isfinite(value) and value > 0
+    assert_finite(g, "student gradient")
+
+
+# ------------------------------------------------------------------ discounted returns
+
+
+def test_discounted_cumsum_equals_verls_returns_and_its_closed_form():
+    rewards = RNG.normal(size=(B, T)).astype("float32")
+    tail = np.ones((B, T), "float32")
+    tail[0, 3:] = 0.0  # padding at the end: verl carries nothing through it
+    np.testing.assert_allclose(
+        to_numpy(P.discounted_cumsum(rewards, 0.9, mask=tail)),
+        OP.verl_discounted_returns(rewards, tail, 0.9),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # A position masked inside still counts in the discount's exponent (verl skips it).
+    inside = MASK.astype("float32")
+    powers = np.triu(0.9 ** (np.arange(T)[None, :] - np.arange(T)[:, None]))  # [t, s] = γ^(s−t), s ≥ t
+    expected = (rewards * inside) @ powers.T * inside
+    np.testing.assert_allclose(to_numpy(P.discounted_cumsum(rewards, 0.9, mask=inside)), expected, rtol=1e-5)
+    # Linear in x: the gradient of Σ w·y is the transpose applied to w, masked.
+    w = RNG.normal(size=(B, T)).astype("float32")
+    g = grad(lambda x: P.discounted_cumsum(x, 0.9, mask=inside) * ops.convert_to_tensor(w), rewards)
+    np.testing.assert_allclose(g, (w * inside) @ powers * inside, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(P.discounted_cumsum(rewards, 0.0)), rewards, rtol=1e-6)
+    np.testing.assert_allclose(
+        to_numpy(compiled(lambda x: P.discounted_cumsum(x, 1.0))(rewards)),
+        np.cumsum(rewards[:, ::-1], 1)[:, ::-1],
+        rtol=1e-5,
+    )
+
+
+# ------------------------------------------------------------------ soft-capped heads
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_soft_capped_logits_equal_the_capped_formed_logits(chunk_size):
+    cap = 2.0  # the logits reach ±5 uncapped: the cap bends them
+
+    def ops_of(logits, teacher):
+        return [
+            P.cross_entropy(LABELS, logits, mask=MASK, chunk_size=chunk_size),
+            P.kl_divergence(teacher, logits, from_logits=True, mask=MASK, chunk_size=chunk_size),
+            P.entropy(logits, from_logits=True, chunk_size=chunk_size),
+            ops.sum(P.token_logprobs(LABELS, logits, mask=MASK, chunk_size=chunk_size)),
+        ]
+
+    def total(hidden, kernel, fused):
+        teacher = _logits(ops.convert_to_tensor(HIDDEN), ops.convert_to_tensor(KERNEL) * 0.5, fused, soft_cap=3.0)
+        return ops.stack(ops_of(_logits(hidden, kernel, fused, soft_cap=cap), teacher))
+
+    capped = cap * np.tanh(O.np_linear(HIDDEN, KERNEL, BIAS) / cap)
+    assert np.abs(O.np_linear(HIDDEN, KERNEL, BIAS)).max() > 2 * cap
+    np.testing.assert_allclose(
+        float(total(HIDDEN, KERNEL, True)[0]), O.np_cross_entropy(LABELS[MASK], capped[MASK]), rtol=1e-5
+    )
+    np.testing.assert_allclose(to_numpy(total(HIDDEN, KERNEL, True)), to_numpy(total(HIDDEN, KERNEL, False)), rtol=1e-5)
+    weights = ops.convert_to_tensor(f32([1.0, 0.5, -0.3, 0.1]))
+    got = grads(lambda h, k: ops.sum(total(h, k, True) * weights), HIDDEN, KERNEL)
+    want = grads(lambda h, k: ops.sum(total(h, k, False) * weights), HIDDEN, KERNEL)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------ errors
+
+
+class Untouchable:
+    """Fails if converted: option errors come before any tensor work."""
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("the input was touched before the options were checked")
+
+
+U = Untouchable()
+X = np.zeros((2, 3), "float32")
+
+ERRORS = {
+    "level": (lambda: P.importance_weights(U, U, level="batch"), ValueError, r"`level` must be one of 'token'"),
+    "mode": (lambda: P.importance_weights(U, U, mode="drop"), ValueError, r"`mode` must be one of 'truncate', 'mask'"),
+    "bounds_order": (lambda: P.importance_weights(U, U, bounds=(2.0, 1.0)), ValueError, r"`bounds` must be \(low"),
+    "bounds_negative": (lambda: P.importance_weights(U, U, bounds=(-1.0, None)), ValueError, r"`bounds`"),
+    "bounds_pair": (lambda: P.importance_weights(U, U, bounds=2.0), ValueError, r"`bounds` must be a pair"),
+    "threshold": (lambda: P.off_policy_mask(U, U, U, threshold=-0.1), ValueError, r"`threshold` must be >= 0"),
+    "policy_level": (lambda: P.policy_loss(U, U, U, level="seq"), ValueError, r"`level` must be one of 'token'"),
+    "clip_fraction_clip": (lambda: P.clip_fraction(U, U, U, clip=(1.5, 0.2)), ValueError, r"`clip` must be"),
+    "clip_fraction_level": (lambda: P.clip_fraction(U, U, U, level="x"), ValueError, r"`level`"),
+    "gamma": (lambda: P.discounted_cumsum(U, 1.5), ValueError, r"`gamma` must be in \[0, 1\]"),
+    "tail": (lambda: P.topk_kl(U, U, tail="yes"), TypeError, r"`tail` must be a bool"),
+    "topk_reduction": (lambda: P.topk_kl(U, U, reduction="batch"), ValueError, r"`reduction`"),
+    "soft_cap": (lambda: P.linear(U, U, soft_cap=0.0), ValueError, r"`soft_cap` must be > 0"),
+    "return_entropy": (lambda: P.token_logprobs(U, U, return_entropy=1), TypeError, r"`return_entropy` must be a bool"),
+    # Shapes, after conversion but before any computation.
+    "sampler_shape": (lambda: P.importance_weights(X, X[:, :2]), ValueError, r"`logprobs` and `sampler_logprobs`"),
+    "sequence_rank": (lambda: P.importance_weights(X[0], X[0], level="sequence"), ValueError, r"`level='sequence'`"),
+    "gspo_rank": (lambda: P.policy_loss(X[0], X[0], X[0], level="sequence"), ValueError, r"\[batch, tokens\]"),
+    "weights_shape": (lambda: P.policy_loss(X, X, X, weights=np.ones(3)), ValueError, r"`weights` must be"),
+    "old_logprobs_shape": (lambda: P.kl_estimate(X, X, old_logprobs=X[:1]), ValueError, r"`old_logprobs`"),
+    "topk_shapes": (lambda: P.topk_kl(X, X[:, :2]), ValueError, r"`teacher_logprobs` and `student_logprobs`"),
+    "topk_mask": (lambda: P.topk_kl(X, X, mask=np.ones(3)), ValueError, r"`mask`"),
+    "advantages": (lambda: P.off_policy_mask(X, X, np.ones(3), threshold=0.1), ValueError, r"`advantages`"),
+    "mask_shape": (lambda: P.importance_weights(X, X, mask=np.ones(2)), ValueError, r"`mask`"),
+    "several_labels": (
+        lambda: P.token_logprobs(np.zeros((2, 3, 2), "int32"), np.zeros((2, 4)), return_entropy=True),
+        ValueError,
+        r"`labels` must have the logits' shape without the class axis, \(2,\), or that plus K ids a position",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_names_the_argument(name):
+    assert_raises_as_listed(ERRORS[name])
