@@ -421,7 +421,9 @@ class Distiller(keras.distillation.Distiller):
         positions = ops.shape(student.hidden)[:-1]
         labels = None
         if self.student_loss_weight > 0.0 and y is not None:
-            w = ops.ones(positions) if sample_weight is None else sample_weight
+            w = ops.ones(positions) if sample_weight is None else ops.convert_to_tensor(sample_weight)
+            if len(w.shape) == len(student.shape) and w.shape[-1] == 1:  # [batch, tokens, 1], as Keras takes it
+                w = ops.squeeze(w, -1)
             w = ops.broadcast_to(ops.cast(w, "float32"), positions)
             labels = _labels(y, student, len(student.shape) - 1, None, weights=w)  # 0 where the weight is
             keys.append(("student", self.student_loss_weight))

@@ -244,6 +244,13 @@ def test_total_is_student_loss_distillation_and_the_students_own_losses(head):
     np.testing.assert_allclose(to_numpy(total), expected["total_loss"], rtol=2e-5)
 
 
+def test_a_fused_step_takes_token_weights_with_a_trailing_axis():
+    # [batch, tokens, 1], as Keras' own losses take them.
+    fused = _distiller(fused=True)
+    total = fused.compute_loss(TOKENS, LABELS, fused(TOKENS, training=True), WEIGHTS[..., None], training=True)
+    np.testing.assert_allclose(to_numpy(total), _expected_total(_distiller())["total_loss"], rtol=2e-5)
+
+
 def test_a_fused_step_reads_no_label_where_the_weight_is_zero():
     # Padding labels such as -100 under a zero sample weight are never
     # indexed (TF's fused op in a head chunk raises on them).

@@ -16,13 +16,13 @@ X = RNG.normal(size=(16, 4)).astype(np.float32)
 Y = RNG.normal(size=(16, 3)).astype(np.float32)
 
 
-def _linear_model(l1_weight=0.1, factor=0.05):
+def _linear_model(l1_weight=0.1, factor=0.05, loss="mse"):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,))
     h = keras.layers.Dense(3, kernel_regularizer=R.L2(factor), name="lin")(inputs)
     out = CompositeObjective({"l1": Term("l1", l1_weight)}, name="obj")(h)
     model = keras.Model(inputs, out)
-    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss)
     return model
 
 
@@ -235,6 +235,21 @@ def test_values_only_without_grad_norms():
 def test_argument_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         PenaltyMonitor(**kwargs)
+
+
+def test_probe_data_without_y_needs_a_model_without_a_compiled_loss():
+    # Without y the compiled loss cannot run: its value would read 0.
+    with pytest.raises(ValueError, match=r"`probe_data` holds x alone.*probe_data=\(x, y\)"):
+        _linear_model().fit(X, Y, epochs=1, verbose=0, callbacks=[PenaltyMonitor(probe_data=X)])
+    # (A model compiled again with loss=None keeps its first compiled loss in Keras 3.15: a fresh one here.)
+    model = _linear_model(loss=None)
+    monitor = PenaltyMonitor(probe_data=X)
+    model.fit(X, Y, epochs=1, verbose=0, callbacks=[monitor])
+    (entry,) = monitor.history
+    kernel, bias = (w.astype(np.float64) for w in model.get_layer("lin").get_weights())
+    np.testing.assert_allclose(
+        entry["total"], 0.1 * np.abs(X @ kernel + bias).sum(1).mean() + 0.05 * (kernel**2).sum(), rtol=1e-5
+    )
 
 
 def test_plot_without_probes_is_an_error():

@@ -46,8 +46,10 @@ class PenaltyMonitor(keras.callbacks.Callback):
 
     Args:
         probe_data: `(x, y)`, `[x, y]` or `x`: a fixed, non-empty batch to
-            probe on; None for no probes. With several JAX processes, the
-            same batch in every process.
+            probe on; None for no probes; `x` alone only where the model
+            has no compiled loss (else the first probe raises a
+            `ValueError`). With several JAX processes, the same batch in
+            every process.
         every_n_batches: probe every this many training batches (≥ 1).
         grad_norms: compute gradient norms on probes (else values only).
         external: dict name → `f(x, y, y_pred)`: scores computed outside the
@@ -130,6 +132,12 @@ class PenaltyMonitor(keras.callbacks.Callback):
                 model, self.objectives + _composite_losses(model), grad_norms=self.grad_norms
             )
         probe = self._probes[id(model)]
+        if probe.has_loss and self.probe_data[1] is None:
+            # Without y the compiled loss cannot run: "base_loss" would read 0
+            # and "total" leave it out.
+            raise ValueError(
+                "`probe_data` holds x alone, and the model's compiled loss needs y: give probe_data=(x, y)."
+            )
         calls = self._scores.start(self.external, model, self.probe_data)
         values, norms = probe(*self.probe_data)
         entry = {"step": self._cadence.step, "epoch": self._epoch}
