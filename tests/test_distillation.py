@@ -48,8 +48,10 @@ def _lm(name, head="dense", regularized=False, seed=0):
     wide = keras.initializers.RandomNormal(stddev=1.5)
     tokens = keras.Input((T,), dtype="int32", name="tokens")
     tied = (
-        keras.layers.ReversibleEmbedding(V, H, embeddings_initializer=wide, name="embedding")
-        if head == "tied"
+        keras.layers.ReversibleEmbedding(
+            V, H, embeddings_initializer=wide, tie_weights=head == "tied", name="embedding"
+        )
+        if head in ("tied", "untied")
         else None
     )
     hidden = (
@@ -193,7 +195,7 @@ def test_logits_divergence_errors_name_the_argument(kwargs, error, message):
 def _distiller(fused=False, head="dense", teacher_head=True, weights=(4.0, 1.0), chunk_size=7, **kwargs):
     teacher = _lm("teacher", head=head, seed=1)
     student = _lm("student", head=head, regularized=True, seed=2)
-    name = "embedding" if head == "tied" else "head"
+    name = "head" if head == "dense" else "embedding"
     fuse = dict(head=name, teacher_head=name if teacher_head else None, chunk_size=chunk_size) if fused else {}
     losses = [LogitsDivergence(temperature=TEMPERATURE, name="kd"), LogitsDivergence("js", beta=0.3)]
     distiller = Distiller(teacher, student, losses, list(weights), student_loss_weight=0.4, **fuse, **kwargs)
@@ -313,6 +315,7 @@ def test_each_loss_is_logged_by_name_and_feature_losses_still_work():
         ("tied", True, "auto", 7),
         ("dense", False, "auto", 7),  # the teacher forms its logits, the student does not
         ("tied", True, "auto", None),  # the default: the logits formed whole
+        ("untied", True, "auto", 7),  # a reversible embedding's own [H, V] output kernel
         pytest.param(
             "tied",
             True,
