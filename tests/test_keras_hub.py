@@ -1,8 +1,9 @@
-"""A keras-hub causal LM built from config (no download), trained and distilled
-through its tied embedding without forming the logits (SPEC §10).
+"""keras-hub causal LMs built from config (no download), trained and distilled
+through their tied embeddings without forming the logits: GPT-2, and a
+Gemma 2-style model whose final logits are soft-capped.
 
 Oracles: the same keras-hub models trained the way keras-hub trains them,
-from their logits (`GPT2CausalLM` compiled with Keras' sparse cross-entropy;
+from their logits (the causal LM compiled with Keras' sparse cross-entropy;
 the unfused Distiller).
 """
 
@@ -112,3 +113,75 @@ def test_fused_distillation_of_a_keras_hub_lm_equals_unfused():
     for key in ("loss", "student_loss", "distillation/kd", "distillation/js"):
         np.testing.assert_allclose(results[True][0][key], results[False][0][key], rtol=1e-5, err_msg=key)
     np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-4, atol=1e-5)
+
+
+def _gemma(num_layers, seed, soft_cap=1.5):
+    """A Gemma 2-style causal LM from a small config: its final logits
+    soft-capped (c·tanh(z / c)), as Gemma 2's presets cap them at 30; a
+    cap of 1.5 here, where the logits reach a few units, bends them."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=num_layers,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+        final_logit_soft_cap=soft_cap,
+        dropout=0.0,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def test_a_soft_capped_gemma_distils_fused_as_its_own_logits_path():
+    results = {}
+    for fused in (False, True):
+        teacher, student = _gemma(2, seed=1, soft_cap=2.0), _gemma(1, seed=2)
+        fuse = dict(head="token_embedding", teacher_head="token_embedding", chunk_size=5) if fused else {}
+        distiller = Distiller(teacher, student, LogitsDivergence(temperature=2.0, name="kd"), **fuse)
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        history = distiller.fit(
+            X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0
+        ).history
+        results[fused] = (history, to_numpy(student.predict(X, verbose=0)))
+    logits = results[False][1]
+    assert np.abs(logits).max() < 1.5 and np.abs(logits).max() > 1.0  # capped, and the cap binds
+    for key in ("loss", "student_loss", "distillation/kd"):
+        np.testing.assert_allclose(results[True][0][key], results[False][0][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(results[True][1], logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_soft_capped_gemma_fine_tunes_through_token_logprobs_as_from_its_logits():
+    class FusedGemma(keras.Model):
+        """Its loss −mean log p(label) over kept tokens, from the hidden
+        states through the capped tied embedding, 5 tokens at a time."""
+
+        def __init__(self, backbone, **kwargs):
+            super().__init__(backbone.input, backbone(backbone.input), **kwargs)
+            self.backbone = backbone
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            embedding = self.backbone.token_embedding
+            logits = P.linear(y_pred, embedding.embeddings, transpose_kernel=True, soft_cap=embedding.logit_soft_cap)
+            logprobs = P.token_logprobs(y, logits, mask=sample_weight, chunk_size=5)
+            return -keras.ops.sum(logprobs) / keras.ops.sum(sample_weight) + sum(self.losses)
+
+    reference = _gemma(1, seed=3)
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight"),
+    )
+    fused_backbone = _gemma(1, seed=3).backbone
+    fused = FusedGemma(fused_backbone)
+    fused.compile(optimizer=keras.optimizers.SGD(0.5))
+    histories = [
+        model.fit(X, Y, sample_weight=SAMPLE_WEIGHT, batch_size=3, epochs=2, shuffle=False, verbose=0).history["loss"]
+        for model in (reference, fused)
+    ]
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5)
+    assert histories[0][-1] < histories[0][0]
+    for a, b in zip(reference.backbone.get_weights(), fused_backbone.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
