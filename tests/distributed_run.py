@@ -213,8 +213,9 @@ def train_token_objective():
     (whole, and in chunks of 2 rows), and a cross-entropy from the hidden
     states through the head (fused, chunks of 4; masked, and over every
     position), and a GRPO loss from the hidden states over sequences and
-    tokens. Each is the mean over the global batch, not the replicas'
-    means' mean (SPEC §11); a layer before the objective adds an activity
+    tokens, and an off-policy GSPO step (importance weights, the corrected
+    KL, a top-k KL, the entropy). Each is the mean over the global batch,
+    not the replicas' means' mean (SPEC §11); a layer before the objective adds an activity
     loss, which the objective's cross-replica sums must leave its
     replica's."""
     from keras_penalties import ops as P
@@ -248,9 +249,30 @@ def train_token_objective():
         loss = P.policy_loss(logprobs, frozen - 0.1, advantages, mask=mask, reduction="sequence_mean")
         return loss + 0.5 * P.kl_estimate(logprobs, reference, mask=mask)
 
+    def off_policy(hidden, labels, mask):
+        # SPEC §13 from hidden states: a sampler's truncated importance
+        # weights and kept tokens, GSPO over sequences, the importance-
+        # corrected KL, a teacher's top-3 ids and the entropy from the same
+        # chunks: every mean over the global batch's kept tokens.
+        logits = P.linear(hidden, head.kernel, head.bias)
+        logprobs, entropy = P.token_logprobs(labels, logits, mask=mask, chunk_size=4, return_entropy=True)
+        frozen = keras.ops.stop_gradient(logprobs)
+        shift = keras.ops.cast(labels % 3, "float32")
+        weights, kept = P.importance_weights(logprobs, frozen - 0.2 * shift, mask=mask, bounds=(0.5, 1.3), mode="mask")
+        advantages = keras.ops.cast(labels[:, 0] % 3, "float32") - 1.0
+        loss = P.policy_loss(logprobs, frozen - 0.1 * shift, advantages, level="sequence", weights=weights, mask=kept)
+        kl = P.kl_estimate(logprobs, frozen - 0.3, old_logprobs=frozen - 0.05 * shift, mask=kept)
+        ids = (labels[..., None] + keras.ops.arange(3, dtype="int32")) % VOCAB
+        student = P.token_logprobs(ids, logits, mask=mask, chunk_size=4)
+        topk = P.topk_kl(keras.ops.stop_gradient(student) - 0.1, student, mask=mask)
+        # −(the entropy's mean over kept tokens), through an op whose mean is global ("reinforce" with A = 1).
+        bonus = P.policy_loss(entropy, None, keras.ops.ones_like(advantages), kind="reinforce", mask=mask)
+        return loss + 0.5 * kl + topk + 0.01 * bonus
+
     objective = CompositeObjective(
         {
             "grpo": Term(grpo, 0.1, inputs=("hidden", "labels", "mask")),
+            "off_policy": Term(off_policy, 0.1, inputs=("hidden", "labels", "mask")),
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
             "ent_chunked": Term(
                 "entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}

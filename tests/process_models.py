@@ -61,11 +61,35 @@ def distiller(chunk_size=4):
     return model
 
 
+def off_policy_loss(values, mask=None):
+    """SPEC §13 on `values` [batch, tokens] read as per-token
+    log-probabilities (−softplus(values)): a sampler's truncated importance
+    weights, GSPO over sequences weighted by them, and the
+    importance-corrected k3 KL, over the tokens `mask` keeps ([batch]: a
+    row's tokens; None: those with values > −0.3, uneven across rows)."""
+    from keras import ops
+
+    from keras_penalties import ops as P
+
+    logprobs = -ops.softplus(values)
+    if mask is None:
+        tokens = ops.stop_gradient(values) > -0.3
+    else:
+        tokens = ops.broadcast_to(ops.expand_dims(ops.cast(mask, "bool"), -1), ops.shape(values))
+    frozen = ops.stop_gradient(logprobs)
+    shift = ops.cast(ops.stop_gradient(values) > 0, logprobs.dtype)
+    weights, kept = P.importance_weights(logprobs, frozen - 0.2 * shift, mask=tokens, bounds=(None, 1.1))
+    advantages = ops.stop_gradient(ops.mean(values, axis=-1))
+    loss = P.policy_loss(logprobs, frozen - 0.1 * shift, advantages, level="sequence", weights=weights, mask=kept)
+    return loss + 0.5 * P.kl_estimate(logprobs, frozen - 0.3, old_logprobs=frozen - 0.05 * shift, mask=kept)
+
+
 def regression():
     """What the custom loops train: `(model, optimizer, head)`, a regression
     model with a `CompositeObjective` inside, `ProximalDecay` around
     `AdaptiveGradientClipping` (built), and an objective on the predictions
-    with a masked entropy (`head.compute({"pred": ..., "mask": ...})`)."""
+    with a masked entropy and an off-policy GSPO term
+    (`head.compute({"pred": ..., "mask": ...})`)."""
     import keras
 
     from keras_penalties import CompositeObjective, Term
@@ -84,6 +108,10 @@ def regression():
     )
     optimizer.build(model.trainable_variables)
     head = CompositeObjective(
-        {"ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"})}, name="head"
+        {
+            "ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"}),
+            "off_policy": Term(off_policy_loss, 0.1, inputs=("pred", "mask")),
+        },
+        name="head",
     )
     return model, optimizer, head

@@ -3,14 +3,15 @@ each setup equal to one process on the same global batches:
 
 - JAX, 2 processes × 2 virtual CPU devices joined by
   `keras.distribution.initialize` (tests/multiprocess_run.py): `fit` and
-  `evaluate` of composites with per-term logs, uncertainty and FAMO
+  `evaluate` of composites with per-term logs (§13's off-policy GSPO among them), uncertainty and FAMO
   weighting, `PenaltyMonitor`, `GradNorm`, `ProximalDecay` around
   `AdaptiveGradientClipping`, the fused `Distiller` with uneven token masks
   (in chunks, and at its default chunk_size: the logits formed whole);
 - TensorFlow, 2 `MultiWorkerMirroredStrategy` workers in a custom loop
   (tests/multiworker_run.py; Keras' `fit` fails there, keras#20585):
   an objective's add_loss, `compute` with a masked token mean over uneven
-  masks, the optimizer wrappers, `Distiller.compute_loss`;
+  masks (an entropy, and §13's off-policy GSPO with importance weights),
+  the optimizer wrappers, `Distiller.compute_loss`;
 - torch, 2 processes with `DistributedDataParallel` (gloo) in a custom loop
   (tests/ddp_run.py): the same calls.
 
@@ -72,6 +73,7 @@ def test_two_processes_of_two_devices_equal_one_process():
     assert (one.pop("devices"), first.pop("devices"), second.pop("devices")) == (1, 4, 4)
     for key in (
         "history/obj/l1",
+        "history/obj/off_policy",
         "history/uobj/ent/weight",
         "history/closs/mse/weight",
         "evaluate/obj/l1_sum",

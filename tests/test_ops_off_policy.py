@@ -18,6 +18,7 @@ from scipy import special
 
 from keras_penalties import CompositeObjective, Term
 from keras_penalties import ops as P
+from keras_penalties.callbacks import PenaltyMonitor
 from tests import off_policy_oracles as OP
 from tests.testing import assert_finite, compiled, grad, grads, to_numpy
 
@@ -284,3 +285,82 @@ def test_empty_masks_give_zero_with_finite_gradients():
     assert all(float(v) == 0.0 for v in fractions.values())
     both = grads(lambda x: P.kl_estimate(x, f32(REF), old_logprobs=f32(OLD), mask=empty), f32(LOGP))
     np.testing.assert_array_equal(both[0], 0.0)
+
+
+class _SampledTokens(keras.layers.Layer):
+    """The sampled tokens' log-probabilities and the entropy at each position,
+    from hidden states through the model's head, in chunks (`chunk_size`)
+    or from the formed logits (None)."""
+
+    def __init__(self, head, chunk_size, **kwargs):
+        super().__init__(**kwargs)
+        self.head, self.chunk_size = head, chunk_size
+
+    def call(self, hidden, labels, mask):
+        logits = P.linear(hidden, self.head.kernel)
+        return P.token_logprobs(labels, logits, mask=mask, chunk_size=self.chunk_size, return_entropy=True)
+
+
+def _off_policy_model(chunk_size, vocab=13, hidden=6):
+    """An off-policy GSPO step in fit: the sampler's truncated importance
+    weights and kept tokens (inputs, computed in the data pipeline), a
+    GSPO loss weighted by them, the importance-corrected k3 KL to a
+    reference, and an entropy bonus from the same chunks."""
+    keras.utils.set_random_seed(21)
+    tokens, labels = keras.Input((T,), dtype="int32"), keras.Input((T,), dtype="int32")
+    kept, weights, advantages = keras.Input((T,)), keras.Input((T,)), keras.Input(())
+    old, reference = keras.Input((T,)), keras.Input((T,))
+    states = keras.layers.Dense(hidden, activation="tanh")(keras.layers.Embedding(vocab, hidden)(tokens))
+    head = keras.layers.Dense(vocab, use_bias=False)
+    head.build((None, hidden))
+    logprobs, entropy = _SampledTokens(head, chunk_size)(states, labels, kept)
+    objective = CompositeObjective(
+        {
+            "gspo": Term(
+                "policy_loss",
+                inputs=("logprobs", "old", "advantages"),
+                options={"level": "sequence", "mask": "kept", "weights": "weights", "reduction": "sequence_mean"},
+            ),
+            "kl": Term(
+                "kl_estimate", 0.1, inputs=("logprobs", "reference"), options={"mask": "kept", "old_logprobs": "old"}
+            ),
+            "bonus": Term(
+                lambda e, m: -ops.sum(e * m) / ops.maximum(ops.sum(m), 1.0), 0.01, inputs=("entropy", "kept")
+            ),
+        },
+        name="off_policy",
+    )
+    inputs = {"logprobs": logprobs, "entropy": entropy, "old": old, "reference": reference}
+    out = objective({**inputs, "advantages": advantages, "kept": kept, "weights": weights})["logprobs"]
+    model = keras.Model([tokens, labels, kept, weights, advantages, old, reference], out)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
+def test_an_off_policy_gspo_step_in_fit_from_hidden_states(policy):
+    rng = np.random.default_rng(9)
+    n = 10
+    logp = -rng.uniform(0.5, 3.0, size=(n, T)).astype("float32")
+    sampler = logp + rng.normal(scale=0.3, size=(n, T)).astype("float32")
+    mask = (rng.uniform(size=(n, T)) < 0.8).astype("float32")
+    weights, kept = (to_numpy(t) for t in P.importance_weights(logp, sampler, mask=mask))
+    data = [
+        rng.integers(0, 13, size=(n, T)),
+        rng.integers(0, 13, size=(n, T)),
+        kept.astype("float32"),
+        weights,
+        rng.normal(size=(n,)).astype("float32"),
+        sampler,
+        logp - 0.2,
+    ]
+    histories = {}
+    for chunk_size in (None, 3):
+        model = _off_policy_model(chunk_size)
+        histories[chunk_size] = model.fit(
+            data, epochs=2, batch_size=4, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()]
+        ).history
+    tolerance = 1e-4 if policy == "float32" else 2e-2
+    for key in ("loss", "off_policy/gspo", "off_policy/kl", "off_policy/bonus"):
+        assert np.isfinite(histories[3][key]).all(), key
+        np.testing.assert_allclose(histories[3][key], histories[None][key], rtol=tolerance, err_msg=key)
