@@ -18,7 +18,11 @@ keras-hub causal LM, on JAX, TensorFlow and PyTorch alike:
    through the tied embedding a chunk of tokens at a time (`ops.linear` with
    `chunk_size`: no `[tokens, vocab]` logits forward or backward), each
    term's value and gradient norm in the logs (`PenaltyMonitor`);
-4. the same ops on log-probabilities that arrive as arrays from a trainer
+4. off-policy: a sampler that is not the trainer (here, sampling at
+   another temperature), its truncated or rejected importance weights, and
+   GSPO's sequence-level ratio, with the fraction of tokens kept and
+   clipped in the logs;
+5. the same ops on log-probabilities that arrive as arrays from a trainer
    elsewhere.
 
 The formulas, which library calls each estimator what, and the aggregation
@@ -123,13 +127,13 @@ clip applies.
 
 
 class TokenLogprobs(keras.layers.Layer):
-    def __init__(self, embedding, **kwargs):
+    def __init__(self, embedding, temperature=1.0, **kwargs):
         super().__init__(**kwargs)
-        self.embedding = embedding
+        self.embedding, self.temperature = embedding, temperature
 
     def call(self, hidden, labels, mask):
         logits = P.linear(hidden, self.embedding.embeddings, transpose_kernel=True)
-        return P.token_logprobs(labels, logits, mask=mask, chunk_size=CHUNK)
+        return P.token_logprobs(labels, logits, temperature=self.temperature, mask=mask, chunk_size=CHUNK)
 
 
 def token_inputs():
@@ -177,12 +181,13 @@ def rl_model(backbone):
     return model
 
 
-def scorer(backbone):
-    """The sampled tokens' log-probabilities under `backbone`, compiled once
-    (`predict_on_batch`)."""
+def scorer(backbone, temperature=1.0):
+    """The sampled tokens' log-probabilities under `backbone` (at a
+    sampler's `temperature`), compiled once (`predict_on_batch`)."""
     inputs = token_inputs()
     hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
-    return keras.Model(inputs, TokenLogprobs(backbone.token_embedding)(hidden, inputs["labels"], inputs["mask"]))
+    logprobs = TokenLogprobs(backbone.token_embedding, temperature)(hidden, inputs["labels"], inputs["mask"])
+    return keras.Model(inputs, logprobs)
 
 
 """
@@ -238,7 +243,127 @@ holds it there, and the entropy bonus keeps the policy spread over the 8
 """
 
 """
-## 4. Log-probabilities arriving as arrays
+## 4. Off-policy: a sampler that is not the trainer
+
+In production the sampler is rarely the policy being trained: vLLM at
+another precision, `generate` at another temperature, a remote worker one
+update behind. Its log-probabilities q of the sampled tokens differ from
+the policy's π_old, and the policy gradient is biased unless each token is
+reweighted by π_old/q. Here the policy samples at temperature 1.5 (a
+sampler keras-hub makes exactly: `RandomSampler(temperature=1.5)`), so q is
+`token_logprobs(..., temperature=1.5)` of the same backbone.
+
+`ops.importance_weights` gives the weights and the tokens they keep. Here
+a sequence's weight is the geometric mean of its tokens' ratios
+(`level="geometric"`), and with `mode="mask"` a sequence whose weight
+leaves `bounds` is dropped from `kept`; passing `kept` as the loss's mask
+takes its tokens out of the token-mean denominator too (verl's rejection
+sampling; TRL's `*_mask` modes keep them there). The policy loss is GSPO's (`level="sequence"`: one ratio a
+sequence, the mean of its tokens' log-ratios, clipped at GSPO's narrow
+(3e-4, 4e-4)), weighted by the importance weights; the KL term is
+`kl_estimate(..., old_logprobs=...)` with the sampler's log-probabilities,
+unbiased for KL(π‖π_ref) although the tokens came from q. The logs carry
+the fraction of tokens kept and the fraction of tokens GSPO's clip acts on
+(`ops.clip_fraction`, TRL's `clip_ratio`).
+"""
+
+SAMPLER_TEMPERATURE, BOUNDS, GSPO_CLIP = 1.5, (0.5, 2.0), (3e-4, 4e-4)
+
+
+def off_policy_model(backbone):
+    inputs = {
+        **token_inputs(),
+        "advantages": keras.Input((), name="advantages"),
+        "old_logprobs": keras.Input((LENGTH - 1,), name="old_logprobs"),
+        "sampler_logprobs": keras.Input((LENGTH - 1,), name="sampler_logprobs"),
+        "ref_logprobs": keras.Input((LENGTH - 1,), name="ref_logprobs"),
+        "weights": keras.Input((LENGTH - 1,), name="weights"),
+        "kept": keras.Input((LENGTH - 1,), name="kept"),
+    }
+    hidden = backbone({"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]})
+    logprobs = TokenLogprobs(backbone.token_embedding)(hidden, inputs["labels"], inputs["mask"])
+    objective = CompositeObjective(
+        {
+            "gspo": Term(
+                "policy_loss",
+                inputs=("logprobs", "old_logprobs", "advantages"),
+                options={"level": "sequence", "clip": GSPO_CLIP, "weights": "weights", "mask": "kept"},
+            ),
+            "kl": Term(
+                "kl_estimate",
+                BETA,
+                inputs=("logprobs", "ref_logprobs"),
+                options={"mask": "kept", "old_logprobs": "sampler_logprobs"},
+            ),
+        },
+        name="off_policy",
+    )
+    names = ("old_logprobs", "sampler_logprobs", "ref_logprobs", "advantages", "weights", "kept")
+    out = objective({"logprobs": logprobs, **{name: inputs[name] for name in names}})["logprobs"]
+    model = keras.Model(inputs, out)
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=None)
+    return model
+
+
+def off_policy_batch(tokens):
+    rewards, data = batch(tokens)
+    scored = {k: data[k] for k in ("token_ids", "padding_mask", "labels", "mask")}
+    data["sampler_logprobs"] = np.asarray(sampler_scorer.predict_on_batch(scored))
+    weights, kept = P.importance_weights(
+        data["old_logprobs"],
+        data["sampler_logprobs"],
+        level="geometric",
+        mode="mask",
+        bounds=BOUNDS,
+        mask=data["mask"],
+    )
+    data["weights"] = keras.ops.convert_to_numpy(weights)
+    data["kept"] = keras.ops.convert_to_numpy(kept).astype("float32")
+    return rewards, data
+
+
+if keras_hub is not None:
+    sampler_scorer = scorer(policy.backbone, temperature=SAMPLER_TEMPERATURE)
+    policy.compile(sampler=keras_hub.samplers.RandomSampler(seed=3, temperature=SAMPLER_TEMPERATURE))
+    off_model = off_policy_model(policy.backbone)
+    for step in range(STEPS // 2):
+        rewards, data = off_policy_batch(sample(rng))
+        logs = off_model.fit(data, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()])
+        scored = {k: data[k] for k in ("token_ids", "padding_mask", "labels", "mask")}
+        clipped = P.clip_fraction(
+            policy_scorer.predict_on_batch(scored),
+            data["old_logprobs"],
+            data["advantages"],
+            clip=GSPO_CLIP,
+            level="sequence",
+            mask=data["kept"],
+        )
+        if step == 0:
+            off_start = rewards.mean()
+        if step % 3 == 0 or step == STEPS // 2 - 1:
+            kept = data["kept"].sum() / data["mask"].sum()
+            print(
+                f"off-policy step {step:2d}: reward {rewards.mean():.3f}  kept {kept:.2f}  "
+                f"clipped {float(clipped['region']):.2f}  gspo {logs.history['off_policy/gspo'][0]:+.4f}  "
+                f"kl {logs.history['off_policy/kl'][0]:.4f}"
+            )
+    print(f"off-policy mean reward: {off_start:.3f} at the first step -> {rewards.mean():.3f} at the last")
+
+"""
+At temperature 1.5 the sampler spreads its samples wider than the policy
+would: its first rewards are below the on-policy run's last, a few
+sequences are rejected by the bounds, and trained on the corrected gradient
+the policy sharpens until even the hotter sampler's reward climbs (about
+0.87 → 0.95 over 15 steps). The level matters: with `level="token"` and
+`mode="mask"` the tokens rejected are exactly the exploratory ones (an
+unrewarded token the policy gives ½ of what the hot sampler does), the
+negative advantages they carried are lost, and here the reward stalls
+near 0.8; truncating instead (`mode="truncate"`, TRL's and verl's default
+shape) keeps them all, at bounded weights.
+"""
+
+"""
+## 5. Log-probabilities arriving as arrays
 
 When the sampling and the reference run elsewhere (an inference server, a
 trainer on another cluster), the log-probabilities arrive as arrays. The

@@ -20,3 +20,12 @@ def test_guide_runs(path, monkeypatch, capsys):
         # 20 GRPO steps: the reward rises from about ¼ (the seeds fix the samples).
         first, last = map(float, rewards.groups())
         assert last > first + 0.3, out
+        # Then 10 off-policy steps from a sampler at temperature 1.5: the reward climbs back.
+        off = re.search(r"off-policy mean reward: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
+        first, last = map(float, off.groups())
+        assert last > first, out
+    kl = re.search(r"reverse KL: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
+    if path.name == "on_policy_distillation.py" and "needs keras-hub" not in out:
+        # 16 steps on the student's own samples: the per-token reverse KL to the teacher falls.
+        first, last = map(float, kl.groups())
+        assert last < 0.6 * first, out
