@@ -12,16 +12,19 @@ before any tensor work.
 
 import math
 
+import keras
 import numpy as np
 import pytest
 from keras import ops
 from scipy import special
 
+from keras_penalties import CompositeObjective, Term
 from keras_penalties import ops as P
+from keras_penalties.callbacks import PenaltyMonitor
 from tests import off_policy_oracles as OP
 from tests import oracles as O
 from tests import rl_oracles as RL
-from tests.testing import assert_finite, assert_raises_as_listed, compiled, grad, grads, to_numpy
+from tests.testing import BACKEND, assert_finite, assert_raises_as_listed, compiled, grad, grads, to_numpy
 
 RNG = np.random.default_rng(131)
 B, T, H, V, K = 3, 5, 4, 11, 3
@@ -263,3 +266,85 @@ ERRORS = {
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_error_names_the_argument(name):
     assert_raises_as_listed(ERRORS[name])
+
+
+# ------------------------------------------------------------------ frozen heads
+
+
+@pytest.mark.parametrize("chunk_size", [2, "auto"])
+def test_a_frozen_head_gives_the_formed_logits_values_and_hidden_gradient(chunk_size):
+    # No kernel or bias gradient (a LoRA fine-tune): each row's gradient of its own value is formed with it.
+    kernel, bias = ops.convert_to_tensor(KERNEL), ops.convert_to_tensor(BIAS)
+    upstream = ops.convert_to_tensor(UPSTREAM[..., 0])
+
+    def fused(hidden):
+        logits = P.linear(hidden, kernel, bias, soft_cap=3.0)
+        return ops.sum(P.token_logprobs(LABELS, logits, mask=MASK, chunk_size=chunk_size) * upstream)
+
+    def formed(hidden):
+        logits = 3.0 * ops.tanh((ops.matmul(hidden, kernel) + bias) / 3.0)
+        return ops.sum(P.token_logprobs(LABELS, logits, mask=MASK) * upstream)
+
+    np.testing.assert_allclose(float(compiled(fused)(HIDDEN)), float(formed(ops.convert_to_tensor(HIDDEN))), rtol=1e-5)
+    np.testing.assert_allclose(grad(compiled(fused), HIDDEN), grad(formed, HIDDEN), rtol=1e-4, atol=1e-6)
+
+
+def _lora_like(chunk_size):
+    """A model whose head is frozen, trained on −Σ log p(label) from its
+    hidden states, the monitor probing each batch (a second backward pass)."""
+    keras.utils.set_random_seed(7)
+    tokens, labels = keras.Input((T,), dtype="int32"), keras.Input((T,), dtype="int32")
+    states = keras.layers.Dense(H, activation="tanh")(keras.layers.Embedding(V, H)(tokens))
+    head = keras.layers.Dense(V, trainable=False)
+    head.build((None, H))
+
+    def nll(hidden, labels):
+        logits = P.linear(hidden, head.kernel, head.bias)
+        return -ops.mean(P.token_logprobs(labels, logits, chunk_size=chunk_size))
+
+    out = CompositeObjective({"nll": Term(nll, inputs=("hidden", "labels"))}, name="lm")(
+        {"hidden": states, "labels": labels}
+    )["hidden"]
+    model = keras.Model([tokens, labels], out)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=None)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
+def test_a_frozen_head_trains_in_fit_as_the_formed_logits(policy):
+    data = [RNG.integers(0, V, size=(8, T)), RNG.integers(0, V, size=(8, T))]
+    histories = {}
+    for chunk_size in (None, 3):
+        model = _lora_like(chunk_size)
+        monitor = PenaltyMonitor(probe_data=([d[:4] for d in data], None), every_n_batches=1)
+        histories[chunk_size] = model.fit(
+            data, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[monitor]
+        ).history
+    tolerance = 1e-5 if policy == "float32" else 2e-2
+    for key in ("loss", "lm/nll", "lm/nll/grad_norm"):
+        np.testing.assert_allclose(histories[3][key], histories[None][key], rtol=tolerance, err_msg=key)
+    assert histories[3]["loss"][-1] < histories[3]["loss"][0]
+
+
+@pytest.mark.skipif(
+    BACKEND != "jax", reason="counts the products in XLA's compiled program; the bench times every backend"
+)
+def test_a_frozen_head_costs_the_products_of_the_formed_logits():
+    import jax
+
+    hidden, kernel = (ops.convert_to_tensor(x) for x in (HIDDEN, KERNEL))
+
+    def products(fn, argnums):
+        program = jax.jit(jax.value_and_grad(fn, argnums=argnums)).lower(hidden, kernel).compile().as_text()
+        return program.count(" dot(")
+
+    def fused(h, k):
+        return ops.sum(P.token_logprobs(LABELS, P.linear(h, k), chunk_size=4))
+
+    def formed(h, k):
+        return ops.sum(P.token_logprobs(LABELS, ops.matmul(h, k)))
+
+    # Frozen: the logits and the hidden gradient, a product each, as formed; a trained kernel adds the
+    # backward pass's logits (the §12 row's known cost).
+    assert products(fused, 0) == products(formed, 0) == 2
+    assert products(fused, (0, 1)) == products(formed, (0, 1)) + 1

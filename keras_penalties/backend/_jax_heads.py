@@ -303,12 +303,28 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         head_pairs = [[(None, None) if p is None else split(p, p.perturbed) for p in h] for h in heads]
         wanted = ([w for w, _ in row_pairs], [[w for w, _ in h] for h in head_pairs])
         fixed = ([c for _, c in row_pairs], [[c for _, c in h] for h in head_pairs])
+        hidden = [h[0].perturbed for h in heads]
+        frozen = not any(r.perturbed and jnp.issubdtype(r.value.dtype, jnp.floating) for r in rows) and not any(
+            p is not None and p.perturbed for h in heads for p in h[1:]
+        )
         rows = [r.value for r in rows]
         heads = [[None if p is None else p.value for p in h] for h in heads]
+        if frozen and any(hidden) and _one_value_a_row(fn, rows, full(heads), chunk_size, dtype):
+            # Frozen heads (no kernel or bias gradient: a LoRA fine-tune):
+            # each row's gradient of its own value, formed with it, costs
+            # one product a chunk, where forming the chunk again in the
+            # backward pass costs two.
+            result, jacobians = _mapped_values(fn, rows, full(heads), chunk_size, dtype, hidden)
+            return result, (None, jacobians)
         return values(rows, heads), (wanted, fixed)
 
     def backward(saved, upstream):
-        wanted, (fixed_rows, fixed_heads) = saved
+        wanted, rest = saved
+        if wanted is None:
+            return [None] * len(rows), [
+                [None if j is None else (upstream[:, None].astype(dtype) * j).astype(j.dtype), None, None] for j in rest
+            ]
+        fixed_rows, fixed_heads = rest
 
         def total(wanted_rows, wanted_heads):
             all_rows = [c if w is None else w for w, c in zip(wanted_rows, fixed_rows)]
@@ -322,13 +338,27 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     return values(rows, [list(head[:3]) for head in heads])
 
 
-def _mapped_values(fn, rows, heads, chunk_size, dtype):
+def _one_value_a_row(fn, rows, heads, chunk_size, dtype):
+    """Whether `fn` gives one value a row (not [rows, k]), from its shapes."""
+    params = [(k, b, t) for _, k, b, t in heads]
+
+    def chunk(chunk_rows, hidden):
+        logits = [project(h.astype(dtype), k.astype(dtype), t) for h, (k, _, t) in zip(hidden, params)]
+        return fn(logits, [r.astype(dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r for r in chunk_rows])
+
+    shape = jax.eval_shape(chunk, [r[:chunk_size] for r in rows], [h[0][:chunk_size] for h in heads]).shape
+    return len(shape) == 1
+
+
+def _mapped_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
     """The per-row values of `chunked_values`, without their gradient: a
-    `lax.map` over chunks, on each device's own rows under `DataParallel`."""
+    `lax.map` over chunks, on each device's own rows under `DataParallel`.
+    With `jacobians` (a bool a head), also each row's gradient of its own
+    value w.r.t. the hidden rows of those heads (None for the others)."""
     n = (heads[0][0] if heads else rows[0]).shape[0]
     split = data_parallel(n // chunk_size)
     if split is None:
-        return _local_values(fn, rows, heads, chunk_size, dtype)
+        return _local_values(fn, rows, heads, chunk_size, dtype, jacobians)
     mesh, axis = split
     transposed, has_bias = [h[3] for h in heads], [h[2] is not None for h in heads]
     params = [p.astype(dtype) for head in heads for p in head[1:3] if p is not None]
@@ -340,13 +370,14 @@ def _mapped_values(fn, rows, heads, chunk_size, dtype):
         local_heads = [
             [h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)
         ]
-        return _local_values(fn, list(local_rows), local_heads, chunk_size, dtype)
+        return _local_values(fn, list(local_rows), local_heads, chunk_size, dtype, jacobians)
 
     specs = (sharded,) * len(rowwise) + (whole,) * len(params)
-    return shard_map(local, mesh, specs, sharded, axis)(*rowwise, *params)
+    out = sharded if jacobians is None else (sharded, [sharded if j else None for j in jacobians])
+    return shard_map(local, mesh, specs, out, axis)(*rowwise, *params)
 
 
-def _local_values(fn, rows, heads, chunk_size, dtype):
+def _local_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
     def cast(x):
         return x if x is None or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
 
@@ -355,13 +386,37 @@ def _local_values(fn, rows, heads, chunk_size, dtype):
 
     params = [(cast(k), cast(b), t) for _, k, b, t in heads]
 
-    def chunk(xs):
-        chunk_rows, hidden = xs
+    def logits_of(hidden):
         logits = []
         for h, (k, b, t) in zip(hidden, params):
             x = project(cast(h), k, t)
             logits.append(x if b is None else x + b)
-        return fn(logits, [cast(r) for r in chunk_rows])
+        return logits
 
-    values = jax.lax.map(chunk, ([split(r) for r in rows], [split(h[0]) for h in heads]))
-    return values.reshape((-1,) + values.shape[2:])
+    def chunk(xs):
+        chunk_rows, hidden = xs
+        return fn(logits_of(hidden), [cast(r) for r in chunk_rows])
+
+    def chunk_and_jacobians(xs):
+        chunk_rows, hidden = xs
+        chunk_rows = [cast(r) for r in chunk_rows]
+
+        def summed(logits):
+            values = fn(logits, chunk_rows)
+            return jnp.sum(values), values
+
+        # A row's value depends on its own row alone: the gradient of the
+        # chunk's sum is each row's gradient of its own value.
+        (_, values), dlogits = jax.value_and_grad(summed, has_aux=True)(logits_of(hidden))
+        grads = [
+            project(g, k, not t).astype(h.dtype) if wanted else None
+            for g, (k, _, t), h, wanted in zip(dlogits, params, hidden, jacobians)
+        ]
+        return values, grads
+
+    inputs = ([split(r) for r in rows], [split(h[0]) for h in heads])
+    if jacobians is None:
+        values = jax.lax.map(chunk, inputs)
+        return values.reshape((-1,) + values.shape[2:])
+    values, grads = jax.lax.map(chunk_and_jacobians, inputs)
+    return values.reshape(-1), [None if g is None else g.reshape((-1,) + g.shape[2:]) for g in grads]

@@ -126,6 +126,17 @@ def _unflattened(layout, tensors):
     return list(tensors[:n_rows]), heads
 
 
+def _hidden_positions(layout):
+    """Where each head's hidden rows lie in a flat input list (`layout` as
+    `_unflattened`'s)."""
+    n_rows, head_layout = layout
+    positions, at = [], n_rows
+    for _, has_bias in head_layout:
+        positions.append(at)
+        at += 3 if has_bias else 2
+    return positions
+
+
 class _ChunkedValues(torch.autograd.Function):
     """See `chunked_values`. Inputs: fn, chunk_size, dtype, `layout` (as
     `_ChunkedSum`'s), then the rows and each head's tensors."""
@@ -139,26 +150,68 @@ class _ChunkedValues(torch.autograd.Function):
 
         params = [(cast(k), cast(b), t) for _, k, b, t in heads]
         n = (heads[0][0] if heads else rows[0]).shape[0]
+        # Frozen heads (no kernel, bias or float row needs a gradient: a LoRA
+        # fine-tune): each row's gradient of its own value, formed with it,
+        # costs one product a chunk, where forming the chunk again in the
+        # backward pass costs two. For one value a row only.
+        needs = ctx.needs_input_grad[4:]
+        hidden_at = _hidden_positions(layout)
+        others = [need for i, need in enumerate(needs) if i not in hidden_at and tensors[i].is_floating_point()]
+        hidden = [needs[i] for i in hidden_at]
+        jacobians = [
+            torch.empty(h[0].shape, dtype=dtype, device=h[0].device) if want else None for h, want in zip(heads, hidden)
+        ]
+        jacobians = jacobians if any(hidden) and not any(others) else None
         values = None
-        with torch.no_grad():
-            for start in range(0, n, chunk_size):
-                stop = start + chunk_size
+        for start in range(0, n, chunk_size):
+            stop = start + chunk_size
+            with torch.no_grad():
                 logits = [
                     project(cast(h[0][start:stop]), k, t)
                     if b is None
                     else torch.addmm(b, cast(h[0][start:stop]), k.T if t else k)
                     for h, (k, b, t) in zip(heads, params)
                 ]
-                chunk = fn(logits, [cast(r[start:stop]) for r in rows])
-                if values is None:  # [n] or [n, k]: the first chunk's values say which
-                    values = torch.empty((n, *chunk.shape[1:]), dtype=dtype, device=tensors[0].device)
-                values[start:stop] = chunk
+            chunk_rows = [cast(r[start:stop]) for r in rows]
+            if jacobians is None:
+                with torch.no_grad():
+                    chunk = fn(logits, chunk_rows)
+            else:
+                watched = [x.requires_grad_(True) for x, j in zip(logits, jacobians) if j is not None]
+                with torch.enable_grad():
+                    chunk = fn(logits, chunk_rows)
+                    if chunk.dim() == 1:
+                        # A row's value depends on its own row alone: the
+                        # gradient of the chunk's sum is each row's own.
+                        dlogits = iter(torch.autograd.grad(chunk.sum(), watched))
+                chunk = chunk.detach()
+                if chunk.dim() != 1:
+                    jacobians = None  # several values a row: formed again in the backward pass
+                else:
+                    for j, ((k, _, t), buffer) in enumerate(zip(params, jacobians)):
+                        if buffer is not None:
+                            buffer[start:stop] = project(next(dlogits), k, not t)
+                del watched
+            if values is None:  # [n] or [n, k]: the first chunk's values say which
+                values = torch.empty((n, *chunk.shape[1:]), dtype=dtype, device=tensors[0].device)
+            values[start:stop] = chunk
         ctx.fn, ctx.chunk_size, ctx.dtype, ctx.layout = fn, chunk_size, dtype, layout
-        ctx.save_for_backward(*tensors)
+        ctx.jacobians = jacobians is not None
+        if ctx.jacobians:
+            ctx.hidden_at = [i for i, j in zip(hidden_at, jacobians) if j is not None]
+            ctx.dtypes = [t.dtype for t in tensors]
+            ctx.save_for_backward(*[j for j in jacobians if j is not None])
+        else:
+            ctx.save_for_backward(*tensors)
         return values
 
     @staticmethod
     def backward(ctx, upstream):
+        if ctx.jacobians:
+            grads = [None] * len(ctx.dtypes)
+            for i, jacobian in zip(ctx.hidden_at, ctx.saved_tensors):
+                grads[i] = (upstream.to(jacobian.dtype)[:, None] * jacobian).to(ctx.dtypes[i])
+            return (None, None, None, None, *grads)
         needs = ctx.needs_input_grad[4:]
         inputs = [
             t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(ctx.saved_tensors, needs)

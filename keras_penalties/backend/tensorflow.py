@@ -369,6 +369,17 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     # The inputs a tape records (a frozen teacher's head is not): all float
     # inputs where the graph is differentiated from outside (see `_traced_untaped`).
     recorded = [t.dtype.is_floating and _recorded(t) for t in flat]
+    # Frozen heads (a tape records their hidden rows, not their kernels or
+    # biases, nor any float row: a LoRA fine-tune): each row's gradient of
+    # its own value, formed with it, costs one product a chunk, where
+    # forming the chunk again in the backward pass costs two.
+    hidden_at = []
+    for head in parts:
+        hidden_at.append(len(rows) + sum(p is not None for h in parts[: len(hidden_at)] for p in h))
+    others = [r for i, r in enumerate(recorded) if i not in hidden_at]
+    jacobians = None
+    if any(recorded[i] for i in hidden_at) and not any(others):
+        jacobians = [recorded[i] for i in hidden_at]
 
     def unflatten(tensors):
         rest = iter(tensors[len(rows) :])
@@ -396,6 +407,8 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
                 return fn(logits, [cast(r) for r in chunk_rows])
 
         elements = ([chunked(r) for r in row_values], [chunked(h[0]) for h in head_values])
+        if jacobians is not None and _one_value_a_row(chunk, row_values, head_values):
+            return _values_and_jacobians(chunk, elements, jacobians, head_values, dtype, [t.dtype for t in tensors])
         values = tf.map_fn(chunk, elements, fn_output_signature=dtype, parallel_iterations=1)
 
         def gradient(upstream):
@@ -410,6 +423,45 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         return tf.reshape(values, tf.concat([[-1], tf.shape(values)[2:]], 0)), gradient
 
     return run(*flat)
+
+
+def _one_value_a_row(chunk, rows, heads):
+    """Whether `chunk` gives one value a row, from a one-row call (pruned
+    from a graph that does not use it)."""
+    sample = ([r[:1] for r in rows], [h[0][:1] for h in heads])
+    return len(chunk(sample).shape) == 1
+
+
+def _values_and_jacobians(chunk, elements, jacobians, heads, dtype, dtypes):
+    """`chunked_values` for frozen heads: with each chunk's values, each
+    row's gradient of its own value w.r.t. the hidden rows of the heads
+    `jacobians` marks, in one loop; the backward pass only scales them."""
+    wanted = [j for j, want in enumerate(jacobians) if want]
+
+    def body(xs):
+        chunk_rows, hidden = xs
+        hidden = [tf.cast(h, dtype) for h in hidden]
+        with tf.GradientTape() as tape:
+            tape.watch([hidden[j] for j in wanted])
+            values = chunk((chunk_rows, hidden))
+            total = tf.reduce_sum(values)
+        # A row's value depends on its own row alone: the gradient of the
+        # chunk's sum is each row's gradient of its own value.
+        return values, tape.gradient(total, [hidden[j] for j in wanted])
+
+    signature = (tf.TensorSpec(None, dtype), [tf.TensorSpec(None, dtype)] * len(wanted))
+    values, grads = tf.map_fn(body, elements, fn_output_signature=signature, parallel_iterations=1)
+    grads = [tf.reshape(g, tf.concat([[-1], tf.shape(g)[2:]], 0)) for g in grads]
+    n_rows = len(dtypes) - sum(1 + (h[2] is not None) + 1 for h in heads)
+
+    def gradient(upstream):
+        result = [None] * len(dtypes)
+        for j, g in zip(wanted, grads):
+            at = n_rows + sum(2 + (h[2] is not None) for h in heads[:j])
+            result[at] = tf.cast(tf.cast(upstream, dtype)[:, None] * g, dtypes[at])
+        return result
+
+    return tf.reshape(values, [-1]), gradient
 
 
 def _which(wanted, part):
