@@ -1,10 +1,13 @@
-"""RL fine-tuning cases (SPEC §12): each sampled token's log-probability from
+"""RL fine-tuning cases: each sampled token's log-probability from
 hidden states at 2048 tokens, H = 256, V = 128256, against the logits formed
 first (our chunked call on them) and against the obvious peer (a
 log-softmax of the formed logits, then a gather, as TRL's
-`selective_log_softmax` writes it); and a GRPO loss step (PPO-clipped policy
-loss + β·k3 to reference log-probabilities) fused against the same written
-the obvious way. Value + gradients w.r.t. the hidden states and the kernel,
+`selective_log_softmax` writes it); post-training rows: with the entropy from
+the same chunks against without it, a frozen head against the formed
+logits with the same frozen head, a soft-capped head against the same
+uncapped; and a GRPO loss step (PPO-clipped policy loss + β·k3 to
+reference log-probabilities) fused against the same written the obvious
+way. Value + gradients w.r.t. the hidden states and the kernel,
 float32."""
 
 import os
@@ -91,6 +94,32 @@ def _grpo_obvious(w, y, old, ref, h, k):
     return ops.sum((policy + BETA * kl) * mask) / ops.maximum(ops.sum(mask), 1.0)
 
 
+def _with_entropy(w, y, old, ref, h, k):
+    logprobs, entropy = P.token_logprobs(y, P.linear(h, k), chunk_size=CHUNK, return_entropy=True)
+    return _weighted(logprobs, w) + 0.01 * ops.sum(entropy)
+
+
+def _frozen_inputs(small):
+    """`_inputs` with the kernel before the hidden states: only the hidden
+    states are differentiated (a frozen head, as in a LoRA fine-tune)."""
+    *rest, h, k = _inputs(small)
+    return [*rest, k, h]
+
+
+def _frozen(formed):
+    def fn(w, y, old, ref, k, h):
+        logits = native.matmul(h, k) if formed else P.linear(h, k)
+        return _weighted(P.token_logprobs(y, logits, chunk_size=CHUNK), w)
+
+    return fn
+
+
+def _capped(cap):
+    return lambda w, y, old, ref, h, k: _weighted(
+        P.token_logprobs(y, P.linear(h, k, soft_cap=cap), chunk_size=CHUNK), w
+    )
+
+
 NAME = "token_logprobs value+grad from hidden states [2048×256 → 128256], chunked"
 _PEER = "log-softmax of the formed logits + gather (as TRL writes it)"
 
@@ -103,6 +132,27 @@ RL_CASES = [
         1.10,
     ),
     Case(NAME, _PEER, "memory ≤ 0.10", gradient_sides(_inputs, _LOGPROBS["fused"], _LOGPROBS["peer"]), None, 0.10),
+    Case(
+        NAME + ", with return_entropy=True",
+        "token_logprobs alone",
+        "time ≤ 1.10",
+        gradient_sides(_inputs, _with_entropy, _LOGPROBS["fused"]),
+        1.10,
+    ),
+    Case(
+        NAME + ", frozen head (hidden gradient only)",
+        "our call on the logits formed first, the same frozen head",
+        "time ≤ 1.10",
+        gradient_sides(_frozen_inputs, _frozen(False), _frozen(True), count=1),
+        1.10,
+    ),
+    Case(
+        NAME + ", soft-capped head (c = 30)",
+        "the same head uncapped",
+        "time ≤ 1.10",
+        gradient_sides(_inputs, _capped(30.0), _capped(None)),
+        1.10,
+    ),
     Case(
         "GRPO loss step (PPO clip + β·k3) value+grad from hidden states [2048×256 → 128256], fused",
         "the same written the obvious way (formed logits, log-softmax, gather)",

@@ -143,6 +143,18 @@ def test_topk_kl_gradient_reaches_the_student_only():
     np.testing.assert_array_equal(teacher_grad, 0.0)
 
 
+def test_topk_kl_is_a_term_by_name_with_its_mask_an_input():
+    t, s, _, _ = _topk()
+    objective = CompositeObjective(
+        {"topk": Term("topk_kl", 0.5, inputs=("teacher", "student"), options={"mask": "mask"})}
+    )
+    inputs = {"teacher": f32(t), "student": f32(s), "mask": MASK.astype("float32")}
+    total, values = objective.compute(inputs)
+    expected = float(P.topk_kl(f32(t), f32(s), mask=MASK))
+    np.testing.assert_allclose(float(to_numpy(values["topk"])), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(to_numpy(total)), 0.5 * expected, rtol=1e-6)
+
+
 def test_topk_kl_is_finite_where_the_ids_hold_all_the_mass():
     # Two classes, both ids: p_rest = 0 exactly, the tail adds nothing; and a student whose ids hold it all.
     t = np.log(f32([[0.25, 0.75]]))
