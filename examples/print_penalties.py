@@ -47,6 +47,9 @@ def main():
         "cross_entropy(labels, logits)": P.cross_entropy(labels, logits),
         "kl_estimate(logprobs, ref_logprobs, k3)": P.kl_estimate(logprobs, ref_logprobs),
         "policy_loss(logprobs, ref_logprobs, advantages, ppo)": P.policy_loss(logprobs, ref_logprobs, advantages),
+        # Pairs: the chosen completion's log-probabilities the labels', the rejected one's the teacher's.
+        "preference_loss(chosen, rejected, DPO, reference free)": P.preference_loss(logprobs, ref_logprobs),
+        "preference_reward(chosen, rejected, margin)": P.preference_reward(logprobs, ref_logprobs),
         # A teacher's top-2 ids a position, both models' log-probabilities of them, and the rest of the vocabulary.
         "topk_kl(teacher top-2, student, tail)": P.topk_kl(
             P.token_logprobs(top_ids, teacher), P.token_logprobs(top_ids, logits)

@@ -44,6 +44,11 @@ PolicyLevel: TypeAlias = Literal["token", "sequence", "sequence_token"]
 # ratios) or its geometric mean.
 ImportanceLevel: TypeAlias = Literal["token", "sequence", "geometric"]
 ImportanceMode: TypeAlias = Literal["truncate", "mask"]
+# Preference losses (TRL's `loss_type` names) and the reward statistics TRL logs.
+PreferenceKind: TypeAlias = Literal[
+    "sigmoid", "robust", "hinge", "ipo", "nca_pair", "sppo_hard", "apo_zero", "apo_down", "simpo", "orpo"
+]
+PreferenceStatistic: TypeAlias = Literal["chosen", "rejected", "margin", "accuracy"]
 # An optional bound on each side: (low, high), either None.
 Bounds: TypeAlias = tuple[Optional[float], Optional[float]]
 Weighting: TypeAlias = Optional[Literal["uncertainty", "famo"]]
@@ -66,6 +71,8 @@ PenaltyName: TypeAlias = Literal[
     "orthogonality",
     "output_magnitude",
     "policy_loss",
+    "preference_loss",
+    "preference_reward",
     "topk_kl",
 ]
 # A term's penalty: an ops function's name, or a callable of tensors (an ops

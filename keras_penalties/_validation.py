@@ -105,6 +105,7 @@ non_negative = _number_where(lambda v: v >= 0, ">= 0")
 closed_unit = _number_where(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 open_unit = _number_where(lambda v: 0.0 < v < 1.0, "in the open interval (0, 1)")
 above_one = _number_where(lambda v: v > 1.0, "> 1")
+below_half = _number_where(lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 
 
 def boolean(name, value):

@@ -411,6 +411,14 @@ OPS_ON_ARRAYS = {
         lambda: P.topk_kl(np.log(PROBS[0][:, :2]), np.log(PROBS[1][:, :2])),
         lambda: np.mean(_two_ids_and_rest()),
     ),
+    "preference_loss": (
+        lambda: P.preference_loss(LOGPROBS, OLD),
+        lambda: np.mean(np.logaddexp(0.0, -0.1 * (LOGPROBS.sum(1).astype(np.float64) - OLD.sum(1)))),
+    ),
+    "preference_reward": (
+        lambda: P.preference_reward(LOGPROBS, OLD),
+        lambda: np.mean(0.1 * (LOGPROBS.sum(1).astype(np.float64) - OLD.sum(1))),
+    ),
     "discounted_cumsum": (
         lambda: P.discounted_cumsum(LOGPROBS, 0.5),
         lambda: np.stack([sum(0.5**k * LOGPROBS[:, t + k] for k in range(7 - t)) for t in range(7)], -1),

@@ -33,6 +33,10 @@ from keras_penalties.ops.off_policy import (
 )
 from keras_penalties.ops.orthogonality import orthogonality as orthogonality
 from keras_penalties.ops.policy import kl_estimate as kl_estimate, policy_loss as policy_loss
+from keras_penalties.ops.preference import (
+    preference_loss as preference_loss,
+    preference_reward as preference_reward,
+)
 from keras_penalties.ops.returns import discounted_cumsum as discounted_cumsum
 from keras_penalties.ops.topk import topk_kl as topk_kl
 

@@ -1,0 +1,291 @@
+"""Preference optimisation from log-probabilities: DPO and its family (IPO,
+cDPO, robust DPO, hinge, NCA, SPPO, APO, SimPO, ORPO's odds ratio), and the
+rewards TRL logs beside them.
+
+Each side of a pair (the chosen and the rejected completion) is given per
+token ([batch, tokens], its own length and mask) or per sequence
+([batch]). A sequence's value is the sum of its kept tokens' log-
+probabilities, or their mean for `"ipo"`, `"simpo"` and `"orpo"`, as TRL
+computes them. With c, r the policy's chosen and rejected values, c_ref,
+r_ref the reference's (0 when no reference is given: reference free) and
+h = (c − c_ref) − (r − r_ref). Computed in float32 (float64 stays float64),
+returned in the chosen side's dtype.
+"""
+
+from typing import get_args
+
+from keras import ops
+
+from keras_penalties import _validation as check
+from keras_penalties import backend
+from keras_penalties._types import PreferenceKind, PreferenceStatistic, Reduction, Tensor, TensorLike
+from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _reductions as reductions
+
+PREFERENCE_KINDS = get_args(PreferenceKind)
+PREFERENCE_STATISTICS = get_args(PreferenceStatistic)
+# The kinds whose sequence value is the mean of its tokens' log-probabilities.
+_MEAN_KINDS = ("ipo", "simpo", "orpo")
+# The kinds with no reference model.
+_REFERENCE_FREE = ("simpo", "orpo")
+# log(1 − e^x) is formed at x ≤ −1e-7: finite, value and gradient, as x → 0.
+_LOG_MASS_LIMIT = -1e-7
+
+
+def _sides(chosen, rejected, refs, masks):
+    """The four log-probability inputs as tensors (references None when not
+    given) and the two masks as bools (None: every token), checked."""
+    names = ("chosen_logprobs", "rejected_logprobs", "ref_chosen_logprobs", "ref_rejected_logprobs")
+    tensors = [None if t is None else backend.as_tensor(t) for t in (chosen, rejected, *refs)]
+    for name, t in zip(names, tensors):
+        if t is not None and len(t.shape) not in (1, 2):
+            raise ValueError(
+                f"`{name}` must be per token [batch, tokens] or per sequence [batch]; got shape {tuple(t.shape)}."
+            )
+    batch = tensors[0].shape[0]
+    for name, t in zip(names[1:], tensors[1:]):
+        if t is not None and batch is not None and t.shape[0] is not None and t.shape[0] != batch:
+            raise ValueError(f"`{name}` must hold {batch} pairs, as `chosen_logprobs`; got shape {tuple(t.shape)}.")
+    bools = []
+    for side, (name, mask) in enumerate(zip(("chosen_mask", "rejected_mask"), masks)):
+        like = tensors[side]
+        if mask is not None and len(like.shape) != 2:
+            raise ValueError(f"`{name}` masks per-token log-probabilities; `{names[side]}` is per sequence.")
+        bools.append(reductions.sample_mask(mask, like, None, name))
+        for ref in (tensors[side + 2],):
+            if ref is not None and len(ref.shape) == 2 and len(like.shape) == 2:
+                check.check_same_shape((names[side], names[side + 2]), like, ref)
+    return tensors, bools
+
+
+def _sequence(values, mask, mean, compute):
+    """A side's per-sequence values: as given ([batch]), or the sum (or the
+    mean) of its kept tokens; and whether each sequence keeps a token."""
+    values = ops.cast(values, compute)
+    if len(values.shape) == 1:
+        return values, None
+    kept = ops.ones_like(values) if mask is None else ops.cast(mask, compute)
+    # A masked token may hold anything (padding at -inf): 0 there.
+    total = ops.sum(ops.where(kept > 0, values, ops.zeros_like(values)), axis=1)
+    count = ops.sum(kept, axis=1)
+    return (total / ops.maximum(count, 1.0) if mean else total), count > 0
+
+
+def _log1m_exp(x):
+    """log(1 − e^x) for x ≤ 0, formed at x ≤ −1e-7 (ORPO's odds)."""
+    return ops.log(-ops.expm1(ops.minimum(x, _LOG_MASS_LIMIT)))
+
+
+def _pairs(chosen, rejected, refs, masks, kind):
+    """(c, r, c_ref, r_ref, valid, compute, dtype) per pair."""
+    tensors, bools = _sides(chosen, rejected, refs, masks)
+    compute, dtype = dtypes.dtype_pair([tensors[0]])
+    mean = kind in _MEAN_KINDS
+    c, c_kept = _sequence(tensors[0], bools[0], mean, compute)
+    r, r_kept = _sequence(tensors[1], bools[1], mean, compute)
+    refs = [None if t is None else _sequence(t, bools[i], mean, compute)[0] for i, t in enumerate(tensors[2:])]
+    c_ref, r_ref = (ops.stop_gradient(t) if t is not None else ops.zeros_like(c) for t in refs)
+    kept = [k for k in (c_kept, r_kept) if k is not None]
+    valid = ops.logical_and(*kept) if len(kept) == 2 else (kept[0] if kept else None)
+    return c, r, c_ref, r_ref, valid, compute, dtype
+
+
+def _check_references(kind, refs):
+    given = [t is not None for t in refs]
+    if any(given) and not all(given):
+        raise ValueError(
+            "`ref_chosen_logprobs` and `ref_rejected_logprobs` come together: give both, or neither (reference free)."
+        )
+    if all(given) and kind in _REFERENCE_FREE:
+        raise ValueError(
+            f"`kind={kind!r}` is reference free: leave `ref_chosen_logprobs` and `ref_rejected_logprobs` None."
+        )
+
+
+def _pair_losses(kind, c, r, c_ref, r_ref, beta, epsilon, gamma):
+    """Each pair's loss (see `preference_loss`)."""
+    log_sigmoid = ops.log_sigmoid
+    chosen, rejected = c - c_ref, r - r_ref
+    h = chosen - rejected
+    if kind == "sigmoid":
+        return -(1.0 - epsilon) * log_sigmoid(beta * h) - epsilon * log_sigmoid(-beta * h)
+    if kind == "robust":
+        return (-(1.0 - epsilon) * log_sigmoid(beta * h) + epsilon * log_sigmoid(-beta * h)) / (1.0 - 2.0 * epsilon)
+    if kind == "hinge":
+        return ops.relu(1.0 - beta * h)
+    if kind == "ipo":
+        return ops.square(h - 1.0 / (2.0 * beta))
+    if kind == "nca_pair":
+        return -log_sigmoid(beta * chosen) - 0.5 * log_sigmoid(-beta * chosen) - 0.5 * log_sigmoid(-beta * rejected)
+    if kind == "sppo_hard":
+        return ops.square(chosen - 1.0 / (2.0 * beta)) + ops.square(rejected + 1.0 / (2.0 * beta))
+    if kind == "apo_zero":
+        return 1.0 - ops.sigmoid(beta * chosen) + ops.sigmoid(beta * rejected)
+    if kind == "apo_down":
+        return ops.sigmoid(beta * chosen) + 1.0 - ops.sigmoid(beta * h)
+    if kind == "simpo":
+        margin = beta * (c - r)
+        return -(1.0 - epsilon) * log_sigmoid(margin - gamma) - epsilon * log_sigmoid(gamma - margin)
+    # "orpo": the odds ratio's term; its NLL on the chosen is a cross_entropy term beside it.
+    return -beta * log_sigmoid((c - r) - (_log1m_exp(c) - _log1m_exp(r)))
+
+
+def _over_pairs(values, valid, reduction):
+    """Per-pair values reduced over the pairs that keep a token on both
+    sides (0 for the others, which do not count in `"mean"`)."""
+    if valid is not None:
+        values = ops.where(valid, values, ops.zeros_like(values))
+    if reduction == "none":
+        return values
+    total = ops.sum(values)
+    if reduction == "sum":
+        return total
+    count = ops.cast(ops.shape(values)[0], total.dtype) if valid is None else ops.sum(ops.cast(valid, total.dtype))
+    return total / ops.cast(reductions.kept_divisor(count), total.dtype)
+
+
+@check.options(
+    tensors=("chosen_mask", "rejected_mask"),
+    kind=check.choice(*PREFERENCE_KINDS),
+    beta=check.positive,
+    label_smoothing=check.below_half,
+    gamma=check.non_negative,
+    reduction=check.REDUCTION,
+)
+def preference_loss(
+    chosen_logprobs: TensorLike,
+    rejected_logprobs: TensorLike,
+    ref_chosen_logprobs: TensorLike | None = None,
+    ref_rejected_logprobs: TensorLike | None = None,
+    *,
+    kind: PreferenceKind = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.5,
+    chosen_mask: TensorLike | None = None,
+    rejected_mask: TensorLike | None = None,
+    reduction: Reduction = "mean",
+) -> Tensor:
+    """The preference loss of chosen/rejected pairs, to minimise.
+
+    With ε = `label_smoothing`, each pair's loss:
+    `"sigmoid"` (DPO; cDPO with ε) −(1−ε)·logσ(βh) − ε·logσ(−βh);
+    `"robust"` (−(1−ε)·logσ(βh) + ε·logσ(−βh)) / (1 − 2ε);
+    `"hinge"` max(0, 1 − βh); `"ipo"` (h − 1/(2β))²;
+    `"nca_pair"` −logσ(β(c − c_ref)) − ½logσ(−β(c − c_ref)) − ½logσ(−β(r − r_ref));
+    `"sppo_hard"` (c − c_ref − 1/(2β))² + (r − r_ref + 1/(2β))²;
+    `"apo_zero"` 1 − σ(β(c − c_ref)) + σ(β(r − r_ref));
+    `"apo_down"` σ(β(c − c_ref)) + 1 − σ(βh);
+    `"simpo"` (reference free; γ the target margin)
+    −(1−ε)·logσ(β(c − r) − γ) − ε·logσ(γ − β(c − r));
+    `"orpo"` (reference free; the odds-ratio term: ORPO's NLL on the chosen
+    is a `cross_entropy` term beside it)
+    −β·logσ((c − r) − (log(1 − e^c) − log(1 − e^r))), log(1 − e^x) formed at
+    x ≤ −1e-7, so value and gradient stay finite as c or r → 0.
+
+    A pair whose chosen or rejected side keeps no token gives 0 and does not
+    count (TRL drops such examples). The references are constants; an option
+    a kind does not use (ε, γ) is ignored.
+
+    Args:
+        chosen_logprobs, rejected_logprobs: the policy's log-probabilities
+            of each pair's chosen and rejected completion: per token
+            [batch, tokens] (each side its own length; `token_logprobs`) or
+            per sequence [batch].
+        ref_chosen_logprobs, ref_rejected_logprobs: the reference model's,
+            per token (reduced with the same masks) or per sequence (TRL's
+            precomputed reference log-probabilities); both None: reference
+            free.
+        kind: one of the above (TRL's `loss_type` names).
+        beta: β > 0.
+        label_smoothing: ε in [0, ½) (`"sigmoid"`, `"robust"`, `"simpo"`).
+        gamma: SimPO's target margin γ ≥ 0.
+        chosen_mask, rejected_mask: None, or each side's kept tokens (its
+            per-token log-probabilities' shape).
+        reduction: `"mean"` over the pairs that count (0 when none does),
+            `"sum"`, or `"none"` ([batch]).
+
+    Returns:
+        The reduced loss, in the chosen side's dtype.
+
+    Raises:
+        ValueError: an unknown `kind` or `reduction`, β ≤ 0, ε outside
+            [0, ½), γ < 0, references on one side only or given to a
+            reference-free kind, ranks other than 1 or 2, batch sizes or
+            shapes that differ, a mask of another shape.
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> # h = (−1 − (−2)) − (−3 − (−2)) = 2, β = 0.5: −log σ(1)
+    >>> round(float(P.preference_loss([-1.0], [-3.0], [-2.0], [-2.0], beta=0.5)), 6)
+    0.313262
+    """
+    refs = (ref_chosen_logprobs, ref_rejected_logprobs)
+    _check_references(kind, refs)
+    c, r, c_ref, r_ref, valid, compute, dtype = _pairs(
+        chosen_logprobs, rejected_logprobs, refs, (chosen_mask, rejected_mask), kind
+    )
+    losses = _pair_losses(kind, c, r, c_ref, r_ref, beta, label_smoothing, gamma)
+    return dtypes.from_compute(_over_pairs(losses, valid, reduction), dtype)
+
+
+@check.options(
+    tensors=("chosen_mask", "rejected_mask"),
+    statistic=check.choice(*PREFERENCE_STATISTICS),
+    kind=check.choice(*PREFERENCE_KINDS),
+    beta=check.positive,
+)
+def preference_reward(
+    chosen_logprobs: TensorLike,
+    rejected_logprobs: TensorLike,
+    ref_chosen_logprobs: TensorLike | None = None,
+    ref_rejected_logprobs: TensorLike | None = None,
+    *,
+    statistic: PreferenceStatistic = "margin",
+    kind: PreferenceKind = "sigmoid",
+    beta: float = 0.1,
+    chosen_mask: TensorLike | None = None,
+    rejected_mask: TensorLike | None = None,
+) -> Tensor:
+    """TRL's reward logs of preference pairs, a constant for the logs.
+
+    With the implicit rewards β(c − c_ref) and β(r − r_ref) (c, r and the
+    references as `preference_loss` forms them for `kind`; reference free:
+    β·c and β·r), the mean over the pairs that count of `"chosen"` (TRL's
+    `rewards/chosen`), `"rejected"` (`rewards/rejected`), `"margin"`
+    (`rewards/margins`, their difference) or `"accuracy"`
+    (`rewards/accuracies`, the fraction of pairs with a positive margin).
+    No gradient. A term by name in a `CompositeObjective` with weight 0
+    logs it beside the loss.
+
+    Args:
+        chosen_logprobs, rejected_logprobs, ref_chosen_logprobs,
+        ref_rejected_logprobs, kind, beta, chosen_mask, rejected_mask: as
+            `preference_loss`'s.
+        statistic: `"chosen"`, `"rejected"`, `"margin"` or `"accuracy"`.
+
+    Returns:
+        A scalar, float32 (float64 for float64 inputs).
+
+    Example:
+
+    >>> from keras_penalties import ops as P
+    >>> # β = 0.5: rewards 0.5·(−1 + 2) = 0.5 and 0.5·(−3 + 2) = −0.5
+    >>> float(P.preference_reward([-1.0], [-3.0], [-2.0], [-2.0], beta=0.5))
+    1.0
+    """
+    refs = (ref_chosen_logprobs, ref_rejected_logprobs)
+    _check_references(kind, refs)
+    c, r, c_ref, r_ref, valid, _, _ = _pairs(
+        chosen_logprobs, rejected_logprobs, refs, (chosen_mask, rejected_mask), kind
+    )
+    chosen, rejected = ops.stop_gradient(beta * (c - c_ref)), ops.stop_gradient(beta * (r - r_ref))
+    values = {
+        "chosen": chosen,
+        "rejected": rejected,
+        "margin": chosen - rejected,
+        "accuracy": ops.cast(chosen > rejected, chosen.dtype),
+    }[statistic]
+    return _over_pairs(values, valid, "mean")
