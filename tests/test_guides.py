@@ -24,6 +24,12 @@ def test_guide_runs(path, monkeypatch, capsys):
         off = re.search(r"off-policy mean reward: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
         first, last = map(float, off.groups())
         assert last > first, out
+    margin = re.search(r"reward margin: ([-+0-9.]+) at the first step -> ([-+0-9.]+) at the last", out)
+    accuracy = re.search(r"accuracy: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
+    if path.name == "preference_optimisation.py" and "needs keras-hub" not in out:
+        # 12 DPO steps on pairs a rule decides: the reward margin and the accuracy rise.
+        assert float(margin.group(2)) > float(margin.group(1)) + 0.05, out
+        assert float(accuracy.group(2)) > 0.75, out
     kl = re.search(r"reverse KL: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
     if path.name == "on_policy_distillation.py" and "needs keras-hub" not in out:
         # 16 steps on the student's own samples: the per-token reverse KL to the teacher falls.
