@@ -10,6 +10,7 @@ from keras import ops
 
 from bench import native
 from bench.case import Case, gradient_sides
+from bench.preference_cases import PREFERENCE_CASES
 from bench.rl_cases import NAME as _RL_NAME
 from bench.rl_cases import RL_CASES
 from bench.roofline_cases import _NAME as _ROOFLINE_NAME
@@ -588,6 +589,7 @@ CASES = (
     + HEAD_CASES
     + ROOFLINE_CASES
     + RL_CASES
+    + PREFERENCE_CASES
     + DISTILLER_CASES
     + NORM_CASES
 )

@@ -1,17 +1,23 @@
-"""Peak memory against tokens (1 k–16 k) of masked cross-entropy value +
-gradient from hidden states [tokens, 256] through a [256, 128256] head, three
-ways, on the current backend: the fused head (`ops.linear` with
-`chunk_size="auto"`), our chunked call on the logits formed first, and the
-obvious peer (the logits formed, the backend's own cross-entropy on them):
-the chart Liger-Kernel's README leads with.
+"""Peak memory against tokens, on the current backend, of two studies:
 
-    KERAS_BACKEND=torch python -m bench.memory_sweep [--tokens 1024 2048 ...]
+- `cross_entropy` (1 k–16 k tokens): masked cross-entropy value + gradient
+  from hidden states [tokens, 256] through a [256, 128256] head, three
+  ways: the fused head (`ops.linear` with `chunk_size="auto"`), our chunked
+  call on the logits formed first, and the obvious peer (the logits formed,
+  the backend's own cross-entropy on them): the chart Liger-Kernel's README
+  leads with;
+- `dpo` (1 k–8 k tokens a side): a DPO step from both sides' hidden states
+  (bench/preference_cases.py), fused against the obvious path as TRL
+  writes it.
+
+    KERAS_BACKEND=torch python -m bench.memory_sweep [--study dpo] [--tokens 1024 2048 ...]
 
 Each point is one fresh process (bench.run's peak memory above the inputs;
 on TF the first call's peak, see bench/results/README.md); a point that
 does not fit in this machine's memory is recorded as such. Writes
-bench/results/memory_<backend>.json; `python -m bench.summary --page` draws
-docs/bench_memory.png from every backend's.
+bench/results/memory_<backend>.json (memory_dpo_<backend>.json);
+`python -m bench.summary --page` draws docs/bench_memory.png (and
+docs/bench_preference_memory.png) from every backend's.
 """
 
 import argparse
@@ -26,9 +32,26 @@ from bench.run import RESULTS
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 HIDDEN, VOCAB = 256, 128256
 PATHS = ("fused head", "our chunked call on formed logits", "obvious peer")
+DPO_PATHS = ("fused DPO step", "obvious DPO step (as TRL writes it)")
+# study -> (tokens, paths, the result file's prefix)
+STUDIES = {
+    "cross_entropy": (TOKENS, PATHS, "memory"),
+    "dpo": ((1024, 2048, 4096, 8192), DPO_PATHS, "memory_dpo"),
+}
+
+
+def _dpo_work(path, tokens, small=False):
+    from bench import native, preference_cases
+
+    args = preference_cases.inputs(small, tokens)
+    fn = preference_cases.fused if path == DPO_PATHS[0] else preference_cases.obvious
+    step = native.value_and_grads(fn, 3)
+    return lambda: native.block(step(*args))
 
 
 def _work(path, tokens, hidden=HIDDEN, vocab=VOCAB):
+    if path in DPO_PATHS:
+        return _dpo_work(path, tokens)
     import numpy as np
     from keras import ops
 
@@ -77,24 +100,25 @@ def _point(path, tokens):
     return {"peak_bytes": int(lines[-1].split()[1])}
 
 
-def sweep(tokens):
+def sweep(tokens, study="cross_entropy"):
     import keras
 
     backend = keras.backend.backend()
-    report = {"backend": backend, "hidden": HIDDEN, "vocab": VOCAB, "points": []}
+    _, paths, prefix = STUDIES[study]
+    report = {"backend": backend, "hidden": HIDDEN, "vocab": VOCAB, "study": study, "points": []}
     for count in tokens:
-        for path in PATHS:
+        for path in paths:
             point = {"tokens": count, "path": path, **_point(path, count)}
             report["points"].append(point)
             shown = f"{point['peak_bytes'] / 2**20:.0f} MB" if "peak_bytes" in point else point["error"]
             print(f"{backend} {count:6d} tokens, {path}: {shown}", flush=True)
-            (RESULTS / f"memory_{backend}.json").write_text(json.dumps(report, indent=2))
+            (RESULTS / f"{prefix}_{backend}.json").write_text(json.dumps(report, indent=2))
     return report
 
 
 def chart(reports, path):
-    """Peak memory against tokens, a panel per backend (`reports`: backend →
-    report), into `path`."""
+    """Peak memory against tokens (a side's, for DPO), a panel per backend
+    (`reports`: backend → report), into `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +126,8 @@ def chart(reports, path):
 
     figure, axes = plt.subplots(1, len(reports), figsize=(4.2 * len(reports), 3.6), sharey=True, squeeze=False)
     for axis, (backend, report) in zip(axes[0], reports.items()):
-        for style, name in zip(("o-", "s--", "^:"), PATHS):
+        _, paths, _ = STUDIES[report.get("study", "cross_entropy")]
+        for style, name in zip(("o-", "s--", "^:"), paths):
             points = [p for p in report["points"] if p["path"] == name and "peak_bytes" in p]
             axis.plot([p["tokens"] for p in points], [p["peak_bytes"] / 2**30 for p in points], style, label=name)
             failed = [p["tokens"] for p in report["points"] if p["path"] == name and "peak_bytes" not in p]
@@ -110,7 +135,8 @@ def chart(reports, path):
                 axis.plot(failed, [0.0] * len(failed), "x", color="#c62828")
         axis.set_xscale("log", base=2)
         axis.set_title(backend)
-        axis.set_xlabel(f"tokens (H = {report['hidden']}, V = {report['vocab']})")
+        side = " a side" if report.get("study") == "dpo" else ""
+        axis.set_xlabel(f"tokens{side} (H = {report['hidden']}, V = {report['vocab']})")
         axis.grid(color="#eeeeee")
     axes[0][0].set_ylabel("peak memory, value + gradient (GiB)")
     axes[0][-1].legend(fontsize=8, title="✕ out of memory", title_fontsize=8)
@@ -121,14 +147,15 @@ def chart(reports, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--study", choices=sorted(STUDIES), default="cross_entropy")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--child", nargs=2, metavar=("PATH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("PEAK", child(args.child[0], int(args.child[1])))
         return
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    sweep(args.tokens)
+    sweep(args.tokens or STUDIES[args.study][0], args.study)
 
 
 if __name__ == "__main__":

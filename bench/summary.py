@@ -5,7 +5,8 @@ documentation's performance page, docs/performance.md).
     python -m bench.summary --page   # also put it in docs/performance.md, and
                                      # draw docs/bench_ratios.png (bench/charts.py)
                                      # docs/bench_roofline.png (bench/charts.py)
-                                     # and docs/bench_memory.png (bench/memory_sweep.py)
+                                     # and docs/bench_memory.png, bench_preference_memory.png
+                                     # (bench/memory_sweep.py)
 
 The case list comes from bench.cases, which imports Keras: without a
 KERAS_BACKEND it runs on the first backend that has results (JAX's results
@@ -21,6 +22,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 PAGE = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
 CHART = PAGE.parent / "bench_ratios.png"
 MEMORY_CHART = PAGE.parent / "bench_memory.png"
+PREFERENCE_MEMORY_CHART = PAGE.parent / "bench_preference_memory.png"
 ROOFLINE_CHART = PAGE.parent / "bench_roofline.png"
 MARKERS = ("<!-- bench-summary -->", "<!-- /bench-summary -->")
 BACKENDS = ("jax", "tensorflow", "torch")
@@ -86,11 +88,12 @@ def main():
         }
         charts.ratios(reports, CASES, CHART)
         charts.roofline(reports, CASES, ROOFLINE_CHART)
-        sweeps = {b: RESULTS / f"memory_{b}.json" for b in BACKENDS if (RESULTS / f"memory_{b}.json").exists()}
-        if sweeps:
-            from bench import memory_sweep
+        from bench import memory_sweep
 
-            memory_sweep.chart({b: json.loads(p.read_text()) for b, p in sweeps.items()}, MEMORY_CHART)
+        for prefix, chart in (("memory", MEMORY_CHART), ("memory_dpo", PREFERENCE_MEMORY_CHART)):
+            sweeps = {b: RESULTS / f"{prefix}_{b}.json" for b in BACKENDS if (RESULTS / f"{prefix}_{b}.json").exists()}
+            if sweeps:
+                memory_sweep.chart({b: json.loads(p.read_text()) for b, p in sweeps.items()}, chart)
 
 
 if __name__ == "__main__":

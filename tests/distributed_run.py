@@ -213,8 +213,9 @@ def train_token_objective():
     (whole, and in chunks of 2 rows), and a cross-entropy from the hidden
     states through the head (fused, chunks of 4; masked, and over every
     position), and a GRPO loss from the hidden states over sequences and
-    tokens, and an off-policy GSPO step (importance weights, the corrected
-    KL, a top-k KL, the entropy). Each is the mean over the global batch,
+    tokens, an off-policy GSPO step (importance weights, the corrected KL,
+    a top-k KL, the entropy) and a DPO loss over pairs some of which do not
+    count. Each is the mean over the global batch,
     not the replicas' means' mean (SPEC §11); a layer before the objective adds an activity
     loss, which the objective's cross-replica sums must leave its
     replica's."""
@@ -269,10 +270,25 @@ def train_token_objective():
         bonus = P.policy_loss(entropy, None, keras.ops.ones_like(advantages), kind="reinforce", mask=mask)
         return loss + 0.5 * kl + topk + 0.01 * bonus
 
+    def preference(hidden, labels, mask):
+        # DPO from hidden states: the labels chosen, the next ids rejected (a
+        # rejected side empty where the first label is odd: those pairs do not
+        # count), against a frozen shifted reference; a mean over the global
+        # batch's counted pairs.
+        logits = P.linear(hidden, head.kernel, head.bias)
+        chosen = P.token_logprobs(labels, logits, mask=mask, chunk_size=4)
+        rejected_mask = keras.ops.logical_and(
+            keras.ops.cast(mask, "bool"), keras.ops.expand_dims(labels[:, 0] % 2 == 0, -1)
+        )
+        rejected = P.token_logprobs((labels + 1) % VOCAB, logits, mask=rejected_mask, chunk_size=4)
+        refs = [keras.ops.stop_gradient(x) - 0.2 for x in (chosen, rejected)]
+        return P.preference_loss(chosen, rejected, *refs, beta=0.5, chosen_mask=mask, rejected_mask=rejected_mask)
+
     objective = CompositeObjective(
         {
             "grpo": Term(grpo, 0.1, inputs=("hidden", "labels", "mask")),
             "off_policy": Term(off_policy, 0.1, inputs=("hidden", "labels", "mask")),
+            "preference": Term(preference, 0.1, inputs=("hidden", "labels", "mask")),
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),
             "ent_chunked": Term(
                 "entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask", "chunk_size": 2}

@@ -199,6 +199,14 @@ def test_the_memory_sweep_runs_and_draws_at_tiny_size(tmp_path):
     report = {"backend": "jax", "hidden": 8, "vocab": 100, "points": points}
     memory_sweep.chart({"jax": report, "torch": report}, tmp_path / "memory.png")
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The DPO study: both paths run, and its chart draws.
+    points = []
+    for path in memory_sweep.DPO_PATHS:
+        memory_sweep._dpo_work(path, 64, small=True)()
+        points.append({"tokens": 64, "path": path, "peak_bytes": 2**20})
+    report = {"backend": "jax", "hidden": 8, "vocab": 100, "study": "dpo", "points": points}
+    memory_sweep.chart({"jax": report}, tmp_path / "dpo.png")
+    assert (tmp_path / "dpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_rows_shown_out_of_reach_name_a_backend_and_a_case():
