@@ -272,7 +272,10 @@ def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, m
 
     from keras_penalties.backend import _tensorflow_blocks
 
-    monkeypatch.setattr(backend._module, "CHUNK_ELEMENTS", elements)
+    from keras_penalties.backend import _tensorflow_chunks
+
+    # The budget TF's chunk loop reads for its blocks.
+    monkeypatch.setattr(_tensorflow_chunks, "CHUNK_ELEMENTS", elements)
     blocks = []
     block_rows = _tensorflow_blocks._block_rows
     monkeypatch.setattr(_tensorflow_blocks, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
