@@ -45,8 +45,12 @@ def inputs(small, tokens=None):
 
 
 def fused(chosen_mask, rejected_mask, chosen_labels, rejected_labels, ref_chosen, ref_rejected, hc, hr, kernel):
-    chosen = P.token_logprobs(chosen_labels, P.linear(hc, kernel), mask=chosen_mask, chunk_size=CHUNK)
-    rejected = P.token_logprobs(rejected_labels, P.linear(hr, kernel), mask=rejected_mask, chunk_size=CHUNK)
+    # Both sides in one call (TRL's concatenated forward, the sides as long):
+    # one loop, one kernel gradient buffer, where a call a side keeps two.
+    both = [ops.concatenate(pair, axis=0) for pair in ((chosen_labels, rejected_labels), (hc, hr))]
+    mask = ops.concatenate([chosen_mask, rejected_mask], axis=0)
+    logprobs = P.token_logprobs(both[0], P.linear(both[1], kernel), mask=mask, chunk_size=CHUNK)
+    chosen, rejected = logprobs[:PAIRS], logprobs[PAIRS:]
     return P.preference_loss(
         chosen, rejected, ref_chosen, ref_rejected, beta=BETA, chosen_mask=chosen_mask, rejected_mask=rejected_mask
     )

@@ -688,3 +688,21 @@ def test_auto_chunks_from_hidden_states_take_the_head_budget(name, monkeypatch):
     expected = grads(lambda *x: _loss(name, False, None, MASK, *x), *INPUTS.values())
     for wrt, g, e in zip(INPUTS, auto, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=wrt)
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch",
+    reason="retain_graph is torch's (JAX's vjp is a function, TF's persistent tape is tested in test_ops_chunks.py): "
+    "the first backward pass scales the gradients formed in the loop in place, a later one forms them again",
+)
+def test_torch_heads_take_several_backward_passes_over_one_forward_pass():
+    import torch
+
+    hidden = torch.tensor(STUDENT_HIDDEN, requires_grad=True)
+    kernel = torch.tensor(KERNEL, requires_grad=True)
+    value = P.cross_entropy(LABELS, P.linear(hidden, kernel, BIAS), mask=MASK, chunk_size=3)
+    expected = grads(lambda h, k: P.cross_entropy(LABELS, _materialised(h, k, BIAS), mask=MASK), STUDENT_HIDDEN, KERNEL)
+    for scale in (1.0, 1.0, 3.0):
+        got = torch.autograd.grad(scale * value, [hidden, kernel], retain_graph=True)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(to_numpy(g), scale * e, rtol=1e-5, atol=1e-6)

@@ -19,80 +19,106 @@ class _ChunkedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, chunk_size, dtype, layout, weights, *tensors):
-        n_rows, head_layout = layout
         needs = ctx.needs_input_grad[5:]
-        rows = tensors[:n_rows]
-        heads, position = [], n_rows
-        for transpose, has_bias in head_layout:
-            count = 3 if has_bias else 2
-            heads.append((list(tensors[position : position + count]) + [None] * (3 - count), position))
-            position += count
-
-        def cast(x):
-            return x.detach().to(dtype) if x.is_floating_point() else x.detach()
-
-        row_wanted = [i for i in range(n_rows) if needs[i] and rows[i].is_floating_point()]
-        wanted = [[p is not None and needs[at + k] for k, p in enumerate(head)] for head, at in heads]
-        params = [(cast(head[1]), None if head[2] is None else cast(head[2])) for head, _ in heads]
-        row_grads = {i: torch.empty_like(rows[i]) for i in row_wanted}
-        hidden_grads = {j: torch.empty_like(heads[j][0][0]) for j in range(len(heads)) if wanted[j][0]}
-        # The kernel's gradient is summed in place (addmm_): no [H, V]
-        # product per chunk, unlike autograd's own accumulation.
-        kernel_grads = {j: torch.zeros_like(params[j][0]) for j in range(len(heads)) if wanted[j][1]}
-        bias_grads = {j: torch.zeros_like(params[j][1]) for j in range(len(heads)) if wanted[j][2]}
-        columns = torch.zeros(weights.shape[1:], dtype=dtype, device=weights.device)
-        for start in range(0, weights.shape[0], chunk_size):
-            stop = start + chunk_size
-            chunk_rows = [cast(r[start:stop]) for r in rows]
-            hidden = [cast(head[0][start:stop]) for head, _ in heads]
-            with torch.no_grad():
-                logits = [
-                    project(h, k, t) if b is None else torch.addmm(b, h, k.T if t else k)
-                    for h, (k, b), (t, _) in zip(hidden, params, head_layout)
-                ]
-            watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
-            watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
-            with torch.enable_grad():
-                chunk_columns = torch.sum(weights[start:stop] * fn(logits, chunk_rows), dim=0)
-                value = torch.sum(chunk_columns)
-                connected = watched and value.requires_grad
-                grads = torch.autograd.grad(value, watched, allow_unused=True) if connected else [None] * len(watched)
-            grads = iter(torch.zeros_like(w) if g is None else g for w, g in zip(watched, grads))
-            dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
-            for i in row_wanted:
-                row_grads[i][start:stop] = next(grads)
-            for j, buffer in hidden_grads.items():
-                buffer[start:stop] = project(dlogits[j], params[j][0], not head_layout[j][0])
-            for j, acc in kernel_grads.items():
-                if head_layout[j][0]:
-                    acc.addmm_(dlogits[j].T, hidden[j])
-                else:
-                    acc.addmm_(hidden[j].T, dlogits[j])
-            for j, acc in bias_grads.items():
-                acc.add_(dlogits[j].sum(0))
-            columns += chunk_columns.detach()
-            # Freed now, not when the next chunk's rebind them: else the next
-            # chunk's logits are formed beside this one's and their gradient.
-            del logits, watched, grads, dlogits, chunk_columns, value
-        kept = [(i, g) for i, g in row_grads.items()]
-        for j, (head, at) in enumerate(heads):
-            for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
-                if j in grads_of:
-                    kept.append((at + k, grads_of[j]))
+        columns, kept = _sum_loop(fn, chunk_size, dtype, layout, weights, tensors, needs)
+        ctx.fn, ctx.chunk_size, ctx.layout, ctx.needs = fn, chunk_size, layout, needs
         ctx.kept = [k for k, _ in kept]
         ctx.dtypes = [t.dtype for t in tensors]
         ctx.compute = dtype
-        ctx.save_for_backward(*[g for _, g in kept])
+        # Not save_for_backward: the first backward pass scales the gradients
+        # in place (a second [H, V] kernel gradient would be the peak); the
+        # inputs, kept as any autograd op keeps them, let a later backward
+        # pass (retain_graph=True) form them again.
+        ctx.grads = [g for _, g in kept]
+        ctx.save_for_backward(weights, *tensors)
         # The columns are not differentiated: only the total's gradient counts.
         ctx.mark_non_differentiable(columns)
         return columns.sum(), columns
 
     @staticmethod
     def backward(ctx, upstream, _):
+        kept, ctx.grads = ctx.grads, None
+        if kept is None:
+            weights, *tensors = ctx.saved_tensors
+            loop = _sum_loop(ctx.fn, ctx.chunk_size, ctx.compute, ctx.layout, weights, tensors, ctx.needs)
+            kept = [g for _, g in loop[1]]
         grads = [None] * len(ctx.dtypes)
-        for k, g in zip(ctx.kept, ctx.saved_tensors):
-            grads[k] = (g.to(ctx.compute) * upstream).to(ctx.dtypes[k])
+        for k, g in zip(ctx.kept, kept):
+            if g.dtype == ctx.compute:
+                grads[k] = g.mul_(upstream.to(g.dtype)).to(ctx.dtypes[k])
+            else:
+                grads[k] = (g.to(ctx.compute) * upstream).to(ctx.dtypes[k])
         return (None, None, None, None, None, *grads)
+
+
+def _sum_loop(fn, chunk_size, dtype, layout, weights, tensors, needs):
+    """`_ChunkedSum`'s loop: `(columns, [(input index, gradient)])`, the
+    gradients of the inputs `needs` marks formed chunk by chunk, unscaled."""
+    n_rows, head_layout = layout
+    rows = tensors[:n_rows]
+    heads, position = [], n_rows
+    for transpose, has_bias in head_layout:
+        count = 3 if has_bias else 2
+        heads.append((list(tensors[position : position + count]) + [None] * (3 - count), position))
+        position += count
+
+    def cast(x):
+        return x.detach().to(dtype) if x.is_floating_point() else x.detach()
+
+    row_wanted = [i for i in range(n_rows) if needs[i] and rows[i].is_floating_point()]
+    wanted = [[p is not None and needs[at + k] for k, p in enumerate(head)] for head, at in heads]
+    params = [(cast(head[1]), None if head[2] is None else cast(head[2])) for head, _ in heads]
+    row_grads = {i: torch.empty_like(rows[i]) for i in row_wanted}
+    hidden_grads = {j: torch.empty_like(heads[j][0][0]) for j in range(len(heads)) if wanted[j][0]}
+    # The kernel's gradient is summed in place (addmm_): no [H, V]
+    # product per chunk, unlike autograd's own accumulation.
+    kernel_grads = {j: torch.zeros_like(params[j][0]) for j in range(len(heads)) if wanted[j][1]}
+    bias_grads = {j: torch.zeros_like(params[j][1]) for j in range(len(heads)) if wanted[j][2]}
+    columns = torch.zeros(weights.shape[1:], dtype=dtype, device=weights.device)
+    for start in range(0, weights.shape[0], chunk_size):
+        stop = start + chunk_size
+        chunk_rows = [cast(r[start:stop]) for r in rows]
+        hidden = [cast(head[0][start:stop]) for head, _ in heads]
+        with torch.no_grad():
+            logits = [
+                project(h, k, t) if b is None else torch.addmm(b, h, k.T if t else k)
+                for h, (k, b), (t, _) in zip(hidden, params, head_layout)
+            ]
+        watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
+        watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
+        with torch.enable_grad():
+            chunk_columns = torch.sum(weights[start:stop] * fn(logits, chunk_rows), dim=0)
+            value = torch.sum(chunk_columns)
+            connected = watched and value.requires_grad
+            grads = torch.autograd.grad(value, watched, allow_unused=True) if connected else [None] * len(watched)
+        grads = iter(torch.zeros_like(w) if g is None else g for w, g in zip(watched, grads))
+        dlogits = [next(grads) if any(wanted[j]) else None for j in range(len(heads))]
+        for i in row_wanted:
+            row_grads[i][start:stop] = next(grads)
+        for j, buffer in hidden_grads.items():
+            buffer[start:stop] = project(dlogits[j], params[j][0], not head_layout[j][0])
+        for j, acc in kernel_grads.items():
+            if head_layout[j][0]:
+                acc.addmm_(dlogits[j].T, hidden[j])
+            else:
+                acc.addmm_(hidden[j].T, dlogits[j])
+        for j, acc in bias_grads.items():
+            acc.add_(dlogits[j].sum(0))
+        columns += chunk_columns.detach()
+        # Freed now, not when the next chunk's rebind them: else the next
+        # chunk's logits are formed beside this one's and their gradient.
+        del logits, watched, grads, dlogits, chunk_columns, value
+    kept = [(i, g) for i, g in row_grads.items()]
+    for j, (head, at) in enumerate(heads):
+        for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
+            if j in grads_of:
+                kept.append((at + k, grads_of[j]))
+    kept = [(i, g) for i, g in row_grads.items()]
+    for j, (head, at) in enumerate(heads):
+        for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
+            if j in grads_of:
+                kept.append((at + k, grads_of[j]))
+    return columns, kept
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
