@@ -248,3 +248,40 @@ ERRORS = {
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_error_names_the_argument(name):
     assert_raises_as_listed(ERRORS[name])
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_dpo_fused_from_hidden_states_equals_trls_from_formed_logits(kind):
+    # Both sides' per-token log-probabilities from hidden states through one head, 3 rows a chunk, against TRL's
+    # selective log-softmax of the formed logits and its loss; the gradients against the same written with the
+    # logits formed.
+    from tests import rl_oracles as RL
+
+    vocab, hidden = 13, 4
+    rng = np.random.default_rng(7)
+    states = [f32(rng.normal(size=(B, t, hidden))) for t in (TC, TR)]
+    kernel = f32(rng.normal(size=(hidden, vocab)))
+    labels = [rng.integers(0, vocab, size=(B, t)) for t in (TC, TR)]
+    refs = [f32(rng.normal(size=B) - 8.0) for _ in range(2)]
+    options = dict(kind=kind, beta=BETA, **_masks())
+
+    def loss(hc, hr, k, fused):
+        sides = []
+        for h, y, m in zip((hc, hr), labels, (CHOSEN_MASK, REJECTED_MASK)):
+            logits = P.linear(h, k) if fused else ops.matmul(h, k)
+            sides.append(P.token_logprobs(y, logits, mask=m, chunk_size=3 if fused else None))
+        return P.preference_loss(*sides, *refs, **options)
+
+    logps = [RL.trl_selective_log_softmax(s.astype(np.float64) @ kernel, y) for s, y in zip(states, labels)]
+    sides = [PO.trl_sequence_logps(lp, m) for lp, m in zip(logps, (CHOSEN_MASK, REJECTED_MASK))]
+    lengths = {"chosen_lengths": CHOSEN_MASK.sum(1), "rejected_lengths": REJECTED_MASK.sum(1)}
+    if kind == "ipo":  # per-sequence references are taken as means for "ipo": TRL's sums over the lengths
+        trl_refs = [r * n for r, n in zip(refs, (CHOSEN_MASK.sum(1), REJECTED_MASK.sum(1)))]
+    else:
+        trl_refs = refs
+    expected = PO.trl_dpo_loss(*sides, *trl_refs, kind, BETA, **lengths)[0].mean()
+    np.testing.assert_allclose(float(loss(*states, kernel, True)), expected, rtol=1e-5)
+    fused = grads(lambda hc, hr, k: loss(hc, hr, k, True), *states, kernel)
+    formed = grads(lambda hc, hr, k: loss(hc, hr, k, False), *states, kernel)
+    for a, b in zip(fused, formed):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
