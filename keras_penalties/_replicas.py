@@ -7,8 +7,12 @@ replicas' gradients. A one-device value handed to Keras as a loss is this
 replica's share (`share`); a Keras loss's mean read back has the division
 undone (`unshare`); a mean over the whole batch is taken across the replicas
 running in sync (`mean_in_sync`, `global_divisor`, `whole_batch_values`).
-Elsewhere (JAX, torch, one device) both numbers are 1 and every function
-returns its input.
+
+torch processes under `DistributedDataParallel` are replicas in sync too,
+while a training step records gradients (`backend.replicas_in_sync`):
+Keras divides nothing there, DDP averages the processes' gradients, which
+is the same as Keras' division followed by the sum. Elsewhere (JAX, one
+device) both numbers are 1 and every function returns its input.
 """
 
 import numpy as np
@@ -51,11 +55,12 @@ def mean_in_sync(tensors, keep_losses_of=None):
 
 
 def split_in_sync(tensors):
-    """The replicas' sum of each tensor (None stays None) and a function
-    that hands each replica its equal share of a result computed from it:
-    a nonlinear map of a gradient must see the whole gradient, which Keras
-    sums over the replicas after it."""
-    n = in_sync()
+    """For an optimizer handed each replica's part of the gradients (TF's
+    replicas, which Keras sums after it; DDP averages before): the
+    replicas' sum of each tensor (None stays None) and a function that
+    hands each replica its equal share of a result computed from it: a
+    nonlinear map of a gradient must see the whole gradient."""
+    n = backend.gradients_in_sync()
     if n == 1:
         return list(tensors), lambda results: results
     return backend.sum_over_replicas(tensors), lambda results: [None if r is None else r / n for r in results]

@@ -112,7 +112,11 @@ class CompositeObjective(Composite, keras.layers.Layer):
         # The model training the objective, found at its first training call
         # (`_training_model`), weakly; in a plain holder, which Keras'
         # attribute tracking skips.
-        self._kept = types.SimpleNamespace(model=lambda: None)
+        # `home`: where the state variables were made (see `build`).
+        self._kept = types.SimpleNamespace(model=lambda: None, home=backend.variable_home())
+        self._make_state()
+
+    def _make_state(self):
         with keras.name_scope(self.name, caller=self):
             self._weight_state = WeightState(self, self.terms, self.weighting, overridable=True)
             # Training steps taken: every replica advances it alike.
@@ -120,6 +124,25 @@ class CompositeObjective(Composite, keras.layers.Layer):
             # Running sums of each term's unweighted value (then of its
             # custom metrics), and call counts.
             self._running = RunningSums(self, len(self.reported_keys))
+
+    def build(self, input_shape: Any = None) -> None:
+        """Keras builds the layer where the model is made: under a
+        `tf.distribute` strategy's scope or a JAX distribution the state
+        made before it (the objective constructed outside) is made again
+        there, with the values it holds, as Keras makes a layer's weights
+        in `build`."""
+        home = backend.variable_home()
+        if home is not self._kept.home:
+            names = [name for name, value in vars(self).items() if isinstance(value, keras.Variable)]
+            values = {name: ops.convert_to_numpy(getattr(self, name)) for name in names}
+            for name in names:
+                delattr(self, name)  # Keras untracks a deleted variable
+            with backend.made_at(home):
+                self._make_state()
+            for name in names:
+                getattr(self, name).assign(values[name])
+            self._kept.home = home
+        self.built = True
 
     # ------------------------------------------------------------ computation
 
@@ -229,15 +252,19 @@ class CompositeObjective(Composite, keras.layers.Layer):
         `total` is Σ wᵢ·termᵢ over enabled terms (a float32 scalar tensor) and
         `values` maps each enabled term to its unweighted scalar. Usable in a
         custom training loop, or on tensors received from elsewhere (e.g. a
-        remote trainer's logprobs). Under a tf.distribute strategy, a masked
-        token mean is the global batch's (a sum over the replicas): in a
-        custom loop with several replicas in one process, read
-        `model.losses` before calling it.
+        remote trainer's logprobs). Under a tf.distribute strategy, and in
+        torch processes under DDP while gradients are recorded, a masked
+        token mean is the global batch's (its count summed over the
+        replicas) and a sum over samples counts at its whole weight: each
+        replica's values average to the global batch's. In a custom loop
+        with several replicas in one process, read `model.losses` before
+        calling it.
         """
         floats = as_float32(inputs)
         global_means = reductions.global_token_means(_keras_internals.calling_layer())
         with num.sharing(keras.tree.flatten(floats)), global_means:
             values = self._values(floats)
+        values = whole_batch_values(values, self._sums_over_samples)
         total = self._total(values)
         return total, {name: values[i] for i, (name, t) in enumerate(self.terms.items()) if t.enabled}
 

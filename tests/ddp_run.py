@@ -10,31 +10,23 @@ Each process runs its own rows of every global batch. The regression model
 predictions, `ProximalDecay` around `AdaptiveGradientClipping`) is wrapped
 in `DistributedDataParallel`, which averages the processes' gradients; the
 fused `Distiller.compute_loss` runs on the Distiller itself, its gradients
-averaged by hand as DDP does. Keras 3.15 has no torch distribution: each
-process's values are its own rows', so the terms here are per-sample and
-per-token means over shards that keep equal numbers of rows and tokens,
-which DDP's average makes the global ones. It prints one JSON line: each
-step's loss averaged over the processes, and the final weights.
+averaged by hand as DDP does. The masks keep fewer rows and tokens in one
+process's half of every global batch than in the other's: the composites'
+token means, sums over samples and sequence means are the global batch's
+only because they sum their counts across the processes inside the
+forward pass. `PenaltyMonitor` probes the model every other step. It
+prints one JSON line: each step's loss and term values averaged over the
+processes (each process's share of the global value), the probes, and the
+final weights.
 """
 
 import json
 import os
 import sys
 
-import numpy as np
 
 from tests import process_models
-from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, TOKENS, X, Y, local_rows
-
-# Token and row masks that keep the same number in each half of every global
-# batch (each process's rows): DDP's average of the processes' means is then
-# the global mean.
-_RNG = np.random.default_rng(9)
-MASK = np.zeros(32, "float32")
-LM_WEIGHTS = np.zeros((32, TOKENS), "float32")
-for half in range(0, 32, 4):
-    MASK[half + _RNG.permutation(4)[:3]] = 1.0
-    LM_WEIGHTS[half : half + 4].reshape(-1)[_RNG.permutation(4 * TOKENS)[:10]] = 1.0
+from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, MASK, X, Y, local_rows
 
 
 def _average(values, processes):
@@ -51,11 +43,16 @@ def regression(process, processes):
     import keras
     import torch
 
+    from keras_penalties.callbacks import PenaltyMonitor
+
     model, optimizer, head = process_models.regression()
     forward = torch.nn.parallel.DistributedDataParallel(model) if processes > 1 else model
+    # The same probe batch in every process, probed as one device.
+    monitor = PenaltyMonitor(probe_data=(X[:BATCH], Y[:BATCH]))
+    monitor.set_model(model)
     x, y, mask = (torch.tensor(local_rows(a, process, processes)) for a in (X, Y, MASK))
     per = BATCH // processes
-    losses, entropies = [], []
+    results = {"losses": [], **{f"head/{name}": [] for name in head.terms}}
     for epoch in range(2):
         for start in range(0, len(x), per):
             rows = slice(start, start + per)
@@ -67,10 +64,13 @@ def regression(process, processes):
             optimizer.apply([v.value.grad for v in variables], variables)
             for v in variables:
                 v.value.grad = None
-            losses.append(float(_average([loss.detach().clone()], processes)[0]))
-            entropies.append(float(_average([values["ent"].detach().clone()], processes)[0]))
+            results["losses"].append(float(_average([loss.detach().clone()], processes)[0]))
+            for name, value in values.items():
+                results[f"head/{name}"].append(float(_average([value.detach().clone()], processes)[0]))
+            if start % (2 * per) == 0:
+                results.update({f"probe{start // per}_{epoch}/{k}": v for k, v in monitor.probe().items()})
     weights = {f"weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(model.trainable_variables)}
-    return {"losses": losses, "head/ent": entropies, **weights}
+    return {**results, **weights}
 
 
 def distiller(process, processes, prefix):

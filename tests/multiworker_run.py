@@ -38,12 +38,7 @@ except ImportError:
 import numpy as np  # noqa: E402
 
 from tests import process_models  # noqa: E402
-from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, X, Y, local_rows  # noqa: E402
-
-# Rows a masked mean keeps: fewer in the first half of every global batch
-# (the first worker's rows), so the workers' means differ from the global one.
-MASK = (np.random.default_rng(5).uniform(size=32) < np.tile(np.repeat([0.25, 0.95], 4), 4)).astype("float32")
-MASK[::4] = 1.0
+from tests.process_models import BATCH, LM_LABELS, LM_TOKENS, LM_WEIGHTS, MASK, X, Y, local_rows  # noqa: E402
 
 
 def strategy_for(role):

@@ -16,6 +16,10 @@ LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
 # The first half of every global batch keeps fewer tokens: uneven per process.
 LM_WEIGHTS = (RNG.uniform(size=(32, TOKENS)) < np.tile(np.repeat([0.3, 0.9], 4), 4)[:, None]).astype("float32")
 LM_WEIGHTS[:, 0] = 1.0
+# Rows a masked mean keeps: fewer in the first half of every global batch
+# (one process's rows) than in the second.
+MASK = (np.random.default_rng(5).uniform(size=32) < np.tile(np.repeat([0.25, 0.95], 4), 4)).astype("float32")
+MASK[::4] = 1.0
 
 
 def local_rows(array, process, processes):
@@ -84,12 +88,27 @@ def off_policy_loss(values, mask=None):
     return loss + 0.5 * P.kl_estimate(logprobs, frozen - 0.3, old_logprobs=frozen - 0.05 * shift, mask=kept)
 
 
+def sequence_kl(values, mask):
+    """The k3 KL of `values` read as per-token log-probabilities against
+    a shifted reference, averaged over the sequences (rows) that keep a
+    token: rows `mask` keeps, tokens with values > −0.3."""
+    from keras import ops
+
+    from keras_penalties import ops as P
+
+    logprobs = -ops.softplus(values)
+    rows = ops.broadcast_to(ops.expand_dims(ops.cast(mask, "bool"), -1), ops.shape(values))
+    tokens = ops.logical_and(rows, ops.stop_gradient(values) > -0.3)
+    return P.kl_estimate(logprobs, ops.stop_gradient(logprobs) - 0.3, mask=tokens, reduction="sequence_mean")
+
+
 def regression():
     """What the custom loops train: `(model, optimizer, head)`, a regression
     model with a `CompositeObjective` inside, `ProximalDecay` around
     `AdaptiveGradientClipping` (built), and an objective on the predictions
-    with a masked entropy and an off-policy GSPO term
-    (`head.compute({"pred": ..., "mask": ...})`)."""
+    with a masked entropy (a token mean), an off-policy GSPO term, a sum
+    over samples and a sequence mean (`head.compute({"pred": ..., "mask":
+    ...})`)."""
     import keras
 
     from keras_penalties import CompositeObjective, Term
@@ -100,7 +119,12 @@ def regression():
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh", kernel_regularizer=R.L2(0.01))(inputs)
     hidden = CompositeObjective(
-        {"l1": Term("l1", 0.01), "ent": Term("entropy", 0.05, options={"from_logits": True})}, name="obj"
+        {
+            "l1": Term("l1", 0.01),
+            "l1_sum": Term("l1", 0.001, options={"reduction": "sum"}),
+            "ent": Term("entropy", 0.05, options={"from_logits": True}),
+        },
+        name="obj",
     )(hidden)
     model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
     optimizer = opt.ProximalDecay(
@@ -111,6 +135,8 @@ def regression():
         {
             "ent": Term("entropy", 0.1, inputs=("pred",), options={"from_logits": True, "mask": "mask"}),
             "off_policy": Term(off_policy_loss, 0.1, inputs=("pred", "mask")),
+            "l1_sum": Term("l1", 0.01, inputs=("pred",), options={"reduction": "sum"}),
+            "kl_seq": Term(sequence_kl, 0.1, inputs=("pred", "mask")),
         },
         name="head",
     )

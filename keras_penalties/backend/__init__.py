@@ -118,13 +118,24 @@ names, and importing fails if one is defined by neither):
 - `row_shards()`: how many devices a chunked op's rows are split over
   inside one computation (JAX's `DataParallel`, where `map_chunks` and
   `chunked_sum` run each device's own chunks); 1 elsewhere.
-- `replicas_in_sync()`: how many replicas share the current step (a
-  `tf.distribute` replica context); 1 everywhere else.
+- `replicas_in_sync()`: how many replicas' forward passes make up the
+  current step, each on its own rows: a `tf.distribute` replica context's;
+  on torch, the processes of `torch.distributed`'s default group while
+  gradients are recorded (a training step, whose gradients DDP averages)
+  outside a probe; 1 everywhere else.
+- `gradients_in_sync()`: how many replicas hold a part of the gradients an
+  optimizer is handed, summed after it (a `tf.distribute` replica
+  context); 1 everywhere else (DDP averages them before the optimizer).
 - `sum_over_replicas(tensors, keep_losses_of=None)`: each tensor summed
-  over the replicas of a `tf.distribute` replica context (None stays
-  None), keeping the add_loss lists of the layer `keep_losses_of` (the
-  model whose forward pass the sum runs in) as they were; the tensors
-  themselves everywhere else.
+  over those replicas (None stays None), keeping the add_loss lists of the
+  layer `keep_losses_of` (the model whose forward pass the sum runs in) as
+  they were; the tensors themselves where there is one. On torch no
+  gradient flows through the sum (the package sums counts and frozen
+  values).
+- `variable_home(model=None)`: where a variable made now (or `model`'s
+  variables) lives: the `tf.distribute` strategy (the default one
+  outside a scope), the Keras distribution on JAX, None on torch.
+- `made_at(home)`: a context in which variables are made at `home`.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
 - `outside_distribution(fn)`: `fn()` run where no `tf.distribute`
@@ -177,7 +188,10 @@ _NAMES = (
     "kept_for_metrics",
     "row_shards",
     "replicas_in_sync",
+    "gradients_in_sync",
     "sum_over_replicas",
+    "variable_home",
+    "made_at",
     "loss_replicas",
     "outside_distribution",
 )

@@ -3,6 +3,7 @@ answers of the replica functions (JAX's distribution works on global arrays;
 Keras has no torch distribution)."""
 
 import concurrent.futures
+import contextlib
 import threading
 
 import keras
@@ -196,8 +197,21 @@ def replicas_in_sync():
     return 1
 
 
+def gradients_in_sync():
+    return 1
+
+
 def sum_over_replicas(tensors, keep_losses_of=None):
     return list(tensors)
+
+
+def variable_home(model=None):
+    # JAX lays a variable out by the distribution in effect when it is made.
+    return keras.distribution.distribution()
+
+
+def made_at(home):
+    return contextlib.nullcontext() if home is None else home.scope()
 
 
 def loss_replicas():

@@ -93,6 +93,18 @@ def replicas_in_sync():
     return 1 if context is None else context.num_replicas_in_sync
 
 
+def gradients_in_sync():
+    return replicas_in_sync()
+
+
+def variable_home(model=None):
+    return tf.distribute.get_strategy() if model is None else model.distribute_strategy
+
+
+def made_at(home):
+    return home.scope()
+
+
 def sum_over_replicas(tensors, keep_losses_of=None):
     tensors = list(tensors)
     present = [i for i, t in enumerate(tensors) if t is not None]

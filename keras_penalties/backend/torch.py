@@ -9,6 +9,7 @@ from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
 from keras_penalties.backend._common import TINY, smallest_normal
 from keras_penalties.backend._torch_heads import chunked_sum, chunked_values, project  # noqa: F401  (the backend's contract)
+from keras_penalties.backend._torch_processes import one_process, replicas_in_sync, sum_over_replicas  # noqa: F401
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms
 # share those of its inputs (num.sharing). A term's own autograd.grad or
@@ -400,7 +401,8 @@ def parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched
 
     def measure(x, y):
         params = [v.value for v in trainable]
-        with torch.enable_grad():
+        # The probe batch is whole in every process: no sums across them.
+        with torch.enable_grad(), one_process():
             # Every other variable's tensor is its own: mapping it in the
             # stateless scope would change nothing and cost Keras a
             # conversion and a lookup per variable.

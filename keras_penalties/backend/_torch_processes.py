@@ -1,0 +1,55 @@
+"""The torch backend's replicas: the processes of `torch.distributed`'s
+default group, each holding its own rows of the global batch, whose
+gradients `DistributedDataParallel` averages after the backward pass.
+
+Their forward passes are in sync only while gradients are recorded (a
+training step: every process runs it, as DDP's own forward pass requires)
+and outside a probe (which runs on the whole probe batch in each process,
+as one device). Elsewhere (evaluation under `torch.no_grad()`, a process
+that computes alone) each process's values are its own, as
+`SyncBatchNorm`'s statistics are outside training.
+"""
+
+import contextlib
+import contextvars
+
+import torch
+
+_ONE_PROCESS = contextvars.ContextVar("keras_penalties_one_process", default=False)
+
+
+@contextlib.contextmanager
+def one_process():
+    """Within the block, each process computes as if it were alone."""
+    token = _ONE_PROCESS.set(True)
+    try:
+        yield
+    finally:
+        _ONE_PROCESS.reset(token)
+
+
+def replicas_in_sync():
+    if _ONE_PROCESS.get() or not torch.is_grad_enabled():
+        return 1
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 1
+    return distributed.get_world_size()
+
+
+def sum_over_replicas(tensors, keep_losses_of=None):
+    """Each tensor (None stays None) summed over the processes in one
+    all-reduce, without a gradient: the package sums counts and frozen
+    values. Torch keeps one list of added losses per process: nothing to keep."""
+    tensors = list(tensors)
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present or replicas_in_sync() == 1:
+        return tensors
+    parts = [tensors[i].detach().to(torch.float32).reshape(-1) for i in present]
+    flat = torch.cat(parts)
+    torch.distributed.all_reduce(flat)
+    start = 0
+    for i, part in zip(present, parts):
+        tensors[i] = flat[start : start + part.numel()].reshape(tensors[i].shape).to(tensors[i].dtype)
+        start += part.numel()
+    return tensors
