@@ -351,12 +351,36 @@ class CompositeLoss(Composite, keras.losses.Loss):
                     f"Term {term_name!r}: a CompositeLoss term takes (y_true, y_pred); "
                     "`inputs` applies to CompositeObjective."
                 )
-        self.state = LossState(self.terms, self.weighting, f"{self.name}_state", len(self.reported_keys))
-        self._weight_state, self._running = self.state.weight_state, self.state.running_sums
+        self._home = backend.variable_home()  # where `state` is made
+        self._use_state(LossState(self.terms, self.weighting, f"{self.name}_state", len(self.reported_keys)))
         self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
         model = _keras_internals.calling_model(_loading)
         if model is not None:
             self.attach(model)
+
+    def _use_state(self, state: LossState) -> None:
+        self.state = state
+        self._weight_state, self._running = state.weight_state, state.running_sums
+
+    def _state_made_at(self, home: Any) -> None:
+        """The state made again at `home` (where the model holding it keeps
+        its variables) with the values it holds, if it was made elsewhere:
+        a loss constructed outside a `tf.distribute` strategy's scope, or
+        before a JAX distribution was set, and compiled inside it."""
+        if home is self._home:
+            return
+        old = self.state
+
+        def make() -> LossState:
+            with backend.made_at(home):
+                state = LossState(self.terms, self.weighting, old.name, len(self.reported_keys))
+            state.set_weights(old.get_weights())
+            return state
+
+        # Attached in the model's symbolic build (a stateless scope, which
+        # makes no variable; a graph on TF): made on the host thread.
+        self._use_state(backend.outside_distribution(make))
+        self._home = home
 
     @property
     def term_weights(self) -> keras.Variable:
@@ -380,6 +404,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         if any(ref() is model for ref in self._attached):
             return False
         self._attached.append(weakref.ref(model))
+        self._state_made_at(backend.variable_home(model))
         if any(v is self.term_weights for v in model.variables):
             return False
         _keras_internals.add_sublayer(model, self.state)

@@ -150,6 +150,42 @@ def train_famo():
     return results
 
 
+def learned_composites():
+    """For each learned weighting, an objective and a loss, made before
+    the model (and, for the two-device run, before the distribution)."""
+    return {
+        weighting: (
+            CompositeObjective({"l2": Term("l2"), "l1": Term("l1")}, weighting=weighting, name=f"{weighting}_obj"),
+            L.CompositeLoss(
+                {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+                weighting=weighting,
+                name=f"{weighting}_loss",
+                **({"famo_learning_rate": 0.1} if weighting == "famo" else {}),
+            ),
+        )
+        for weighting in ("uncertainty", "famo")
+    }
+
+
+def train_made_outside(composites):
+    """A model built under the distribution around an objective and a loss
+    with learned weights made outside it, as a plain Keras loss may be:
+    their state is made again where the model's variables live."""
+    results = {}
+    for weighting, (objective, loss) in composites.items():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        hidden = objective(keras.layers.Dense(8, activation="tanh")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        model.compile(keras.optimizers.SGD(0.05), loss=loss)
+        history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        results[f"outside/{weighting}/loss"] = history.history["loss"]
+        results[f"outside/{weighting}/weights"] = [
+            keras.ops.convert_to_numpy(v).tolist() for v in (objective.current_weights(), loss.current_weights())
+        ]
+    return results
+
+
 VOCAB, TOKENS = 9, 4
 LM_TOKENS = RNG.integers(0, VOCAB, size=(32, TOKENS))
 LM_LABELS = RNG.integers(0, VOCAB, size=(32, TOKENS))
@@ -405,8 +441,11 @@ def main(mode):
         split_tensorflow_cpu()
     runs = (train, train_distiller, train_distiller_whole, train_famo, train_token_objective, train_token_loss)
     one = {k: v for run in runs for k, v in run().items()}
+    one.update(train_made_outside(learned_composites()))
+    outside = learned_composites()
     with distributed(mode):
         two = {k: v for run in runs for k, v in run().items()}
+        two.update(train_made_outside(outside))
     report = {}
     for key, value in one.items():
         a, b = np.asarray(value, np.float64), np.asarray(two.get(key, np.nan), np.float64)

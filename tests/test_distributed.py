@@ -17,7 +17,9 @@ on the other, and an objective
 whose token means (whole, chunked, and a fused cross-entropy from hidden
 states, masked and not) see such masks too, after a layer's activity loss,
 and a CompositeLoss whose terms Keras reduces with such a mask and with
-per-sample weights that differ between the replicas.
+per-sample weights that differ between the replicas; and an objective and
+a loss with learned weights (uncertainty, FAMO) made before the
+distribution, in a model built under it.
 """
 
 import json
@@ -96,6 +98,10 @@ def test_two_devices_match_one(mode):
         "famo/objective/famo_logits",
         "famo/history/fobj/l1_sum/weight",
         "masked/history/loss",
+        "outside/uncertainty/loss",
+        "outside/uncertainty/weights",
+        "outside/famo/loss",
+        "outside/famo/weights",
         "masked/history/mloss/ce",
         "masked/history/mloss/ce_sw",
         "masked/history/mloss/ce_ignore",
