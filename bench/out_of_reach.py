@@ -202,7 +202,7 @@ def gradnorm_floor(small=False, repeats=5):
 
     class AssignOne(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            weights = self.model.loss._weight_state.term_weights  # reading .model syncs the state
+            weights = self.model.loss.term_weights  # reading .model syncs the state
             weights.assign(weights.value)
 
     class MeasureAndStep(keras.callbacks.Callback):

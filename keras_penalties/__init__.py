@@ -1,8 +1,8 @@
 """keras-penalties: composable regularization penalties and loss terms for Keras 3."""
 
 from keras_penalties import callbacks, gradients, losses, ops, optimizers, regularizers
-from keras_penalties.objective import CompositeObjective
-from keras_penalties.terms import Term
+from keras_penalties.composite.layer import CompositeObjective
+from keras_penalties.composite.term import Term
 
 __version__ = "0.1.0"
 

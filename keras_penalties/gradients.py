@@ -6,7 +6,7 @@ the backend's native autodiff (`jax.grad`, `tf.GradientTape`,
 branches on the Keras backend.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import keras
 import numpy as np
@@ -16,8 +16,14 @@ from keras_penalties import backend
 from keras_penalties import ops as penalties
 from keras_penalties._types import Reduction, Tensor, TensorLike
 
-if TYPE_CHECKING:
-    from keras_penalties.objective import CompositeObjective
+
+class HasGradientFunctions(Protocol):
+    """What `gradient_norms` needs of an objective (a `CompositeObjective`
+    has it): the scalar functions of its inputs to take norms of."""
+
+    def gradient_functions(
+        self, base_loss: Callable[[Any], Tensor] | None = None
+    ) -> dict[str, Callable[[Any], Tensor]]: ...
 
 
 def _as_float(x: TensorLike) -> Tensor:
@@ -66,7 +72,7 @@ def input_gradient(fn: Callable[[Tensor], Tensor], x: TensorLike) -> Tensor:
 
 
 def gradient_norms(
-    objective: "CompositeObjective", inputs: Any, *, base_loss: Callable[[Any], Tensor] | None = None
+    objective: HasGradientFunctions, inputs: Any, *, base_loss: Callable[[Any], Tensor] | None = None
 ) -> dict[str, float]:
     """‖∂termᵢ/∂inputs‖₂ for each enabled term of a `CompositeObjective`.
 

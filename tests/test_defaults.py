@@ -567,6 +567,7 @@ def _public_names():
             if not name.startswith("_")
             and (inspect.isfunction(obj) or inspect.isclass(obj))
             and obj.__module__ == module.__name__
+            and not getattr(obj, "_is_protocol", False)  # a type to annotate with, not an entry
         )
     return names
 

@@ -510,8 +510,10 @@ def test_dynamic_weight_average_replaces_a_scheduled_weight():
     weights = np.stack([logs.history["obj/a/weight"], logs.history["obj/b/weight"]], axis=1)
     np.testing.assert_allclose(weights, _dwa_oracle(means, 2.0), rtol=1e-5)
     np.testing.assert_allclose(to_numpy(objective.effective_weights()), list(objective.weights_in_use().values()))
-    with pytest.raises(ValueError, match="finite weights"):
-        objective._set_weights([1.0, -1.0])
+    with pytest.raises(ValueError, match="`weights`: expected 2 finite numbers >= 0"):
+        objective.set_term_weights([1.0, -1.0])
+    with pytest.raises(ValueError, match="`weights` must name every term"):
+        objective.set_term_weights({"a": 1.0})
 
 
 # ---------------------------------------------------------------- GradNorm

@@ -12,7 +12,7 @@ import numpy as np
 from keras import ops
 
 from keras_penalties import _validation as check
-from keras_penalties.terms import METRIC_NAME_PATTERN
+from keras_penalties.composite.term import METRIC_NAME_PATTERN
 
 
 def _check_external(external, timeout):

@@ -6,9 +6,10 @@ cadence."""
 import keras
 from keras import ops
 
-from keras_penalties import _capture, _keras_internals, gradients
+from keras_penalties.composite import capture
+from keras_penalties import _keras_internals, gradients
 from keras_penalties.callbacks._targets import _layers
-from keras_penalties.losses import CompositeLoss
+from keras_penalties.composite.loss import CompositeLoss
 
 
 def _probe_batch(probe_data):
@@ -136,7 +137,7 @@ class _Probe:
     def _outputs(self, x, y):
         """The measured values as a list of float32 scalars (run in a stateless scope)."""
         loss = None
-        with _capture.capturing(self.composites) as captured:
+        with capture.capturing(self.composites) as captured:
             y_pred = self.model(x, training=False)
             if self._with_loss and y is not None:
                 loss = _keras_internals.compiled_loss(self.model)(y, y_pred)

@@ -8,8 +8,8 @@ import keras
 import numpy as np
 
 from keras_penalties import _keras_internals
-from keras_penalties.losses import CompositeLoss
-from keras_penalties.objective import CompositeObjective
+from keras_penalties.composite.loss import CompositeLoss
+from keras_penalties.composite.layer import CompositeObjective
 
 # What `target` may be: a composite of the model, or its name there.
 _Target: TypeAlias = CompositeObjective | CompositeLoss | str
@@ -78,7 +78,7 @@ def _settable_target(model, target, method):
     """`_find_target`, refusing a target whose weights are learned: the
     adaptive `method` sets them."""
     found = _find_target(model, target)
-    if found.weighting is not None:
+    if found.weighting_rule.learned:
         raise ValueError(
             f"`target` {found.name!r} has weighting={found.weighting!r}, which learns its "
             f"weights; {method} sets them: build it without `weighting`."

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 from keras_penalties import _validation as check
-from keras_penalties._term_means import term_means
+from keras_penalties.composite.state import term_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._targets import _add_to_model, _check_target, _log_weights, _settable_target, _Target
 
@@ -48,7 +48,7 @@ class DynamicWeightAverage(keras.callbacks.Callback):
 
     def _set(self, weights):
         self.model  # noqa: B018 -- on JAX, reading .model syncs the training state first
-        self.target._set_weights(weights)
+        self.target.set_term_weights(weights)
 
     def on_train_begin(self, logs: Logs = None) -> None:
         self.epoch_means = []

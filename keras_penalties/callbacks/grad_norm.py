@@ -19,7 +19,7 @@ from keras_penalties.callbacks._targets import (
     _settable_target,
     _Target,
 )
-from keras_penalties.losses import CompositeLoss
+from keras_penalties.composite.loss import CompositeLoss
 
 
 class GradNorm(keras.callbacks.Callback):
@@ -199,9 +199,9 @@ class GradNorm(keras.callbacks.Callback):
 
     def _update(self, values, norms):
         """The probe's update, inside its call: one step of the optimizer from
-        the weights in use, clipped, renormalised and set. Stepped weights
-        that are not finite are returned as they are, and set nowhere
-        (`on_train_batch_end` raises)."""
+        the weights in use, clipped and renormalised (`on_train_batch_end`
+        sets them on the target). Stepped weights that are not finite are
+        returned as they are (`on_train_batch_end` raises)."""
         weights, initial, first, alpha = self._state
         initial.assign(ops.where(first.value > 0.5, values, initial.value))
         first.assign(0.0)
@@ -210,9 +210,7 @@ class GradNorm(keras.callbacks.Callback):
         self._stepper.apply([gradnorm_gradient(in_use, values, norms, initial.value, alpha.value)], [weights])
         stepped = weights.value
         finite = ops.all(ops.isfinite(stepped))
-        new = ops.where(finite, clip_and_renormalise(stepped), stepped)
-        self.target._assign_weights(new, when=finite)
-        return new
+        return ops.where(finite, clip_and_renormalise(stepped), stepped)
 
     def on_train_begin(self, logs: Logs = None) -> None:
         self._step = 0
@@ -233,7 +231,7 @@ class GradNorm(keras.callbacks.Callback):
                 f"GradNorm's new weights for {self.target.name!r} are not finite: {new.tolist()} "
                 f"(term values {values.tolist()}, gradient norms {norms.tolist()}); the weights were left as they were."
             )
-        self.target._note_weights(new)
+        self.target.set_term_weights(new)
         values, norms = np.asarray(values, "float64"), np.asarray(norms, "float64")
         names = list(self.target.terms)
         self.history.append(

@@ -6,13 +6,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import keras
 
 from keras_penalties import _validation as check
-from keras_penalties._term_means import term_means
+from keras_penalties.composite.state import term_means
 from keras_penalties._types import Logs
 from keras_penalties.callbacks._external import _check_external, _ExternalScores
 from keras_penalties.callbacks._plot import _figure, _pyplot
 from keras_penalties.callbacks._probe import _Cadence, _Probe, _probe_batch
 from keras_penalties.callbacks._targets import _add_to_model, _composite_losses, _layers, _log_weights
-from keras_penalties.objective import CompositeObjective
+from keras_penalties.composite.layer import CompositeObjective
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -194,7 +194,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         if self._cadence.epoch_ended() is not None:
             self._after_batch(logs if logs is not None else {})
         for owner in self.objectives + _composite_losses(self.model):
-            if owner.weighting is not None:
+            if owner.weighting_rule.learned:
                 # Learned weights: what the next step uses.
                 _log_weights(owner, logs)
         if logs is not None and self._epoch_probes:

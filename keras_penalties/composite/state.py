@@ -13,7 +13,27 @@ import numpy as np
 from keras import ops
 
 from keras_penalties import backend
-from keras_penalties._composite import state_variable
+
+
+def state_variable(name, values, dtype="float32", trainable=False, aggregation="only_first_replica", local=False):
+    """A composite's state as a variable, float32 (or `dtype`) and never
+    autocast: under a mixed policy a weight of 1e5 would read inf and a step
+    count would stall at 2049. Under a tf.distribute strategy, weights are the
+    same on every replica (set from callbacks); `local` state (the step, the
+    running values) is each replica's own ("on_read": no cross-replica sync
+    inside the forward pass) and reads by `aggregation`."""
+    values = np.asarray(values, dtype=dtype)
+    return keras.Variable(
+        initializer=values,
+        shape=values.shape,
+        dtype=dtype,
+        trainable=trainable,
+        autocast=False,
+        aggregation=aggregation,
+        synchronization="on_read" if local else "auto",
+        name=name,
+    )
+
 
 _TRAIN, _EVAL = 0, 1
 
