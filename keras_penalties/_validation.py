@@ -9,6 +9,7 @@ import inspect
 import math
 from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast, get_args
 
+import keras
 import numpy as np
 
 from keras_penalties._types import MagnitudeReduction, Reduction, TokenReduction
@@ -23,6 +24,8 @@ class OptionsChecked(Protocol[_P, _R_co]):
     signature for type checkers and IDEs, plus `check_options`."""
 
     tensor_options: tuple[str, ...]
+    per_element: bool
+    prediction_first: bool
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
 
@@ -30,7 +33,11 @@ class OptionsChecked(Protocol[_P, _R_co]):
 
 
 def options(
-    *, tensors: tuple[str, ...] = (), **checks: Callable[[str, Any], Any]
+    *,
+    tensors: tuple[str, ...] = (),
+    per_element: bool = False,
+    prediction_first: bool = False,
+    **checks: Callable[[str, Any], Any],
 ) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
     """Decorator: validates (and normalises) keyword options before the call.
 
@@ -40,6 +47,11 @@ def options(
     calling it and rejects names the function does not take, and
     `tensor_options`: `tensors`, the options that take tensors (a mask,
     weights, another log-probability), which a `Term` feeds from its inputs.
+    What a composite needs to know of the op rides on it too:
+    `per_element` (a penalty on magnitudes: `reduction="none"` gives a value
+    per element, and a term defaults to the mean over the batch, Keras'
+    activity-regularizer scale) and `prediction_first` (its first tensor is
+    the model's prediction: a `CompositeLoss` feeds it `(y_pred, y_true)`).
     """
 
     def decorate(fn: Callable[_P, _R]) -> OptionsChecked[_P, _R]:
@@ -61,6 +73,8 @@ def options(
 
         wrapper.check_options = check_options  # type: ignore[attr-defined]
         wrapper.tensor_options = tuple(tensors)  # type: ignore[attr-defined]
+        wrapper.per_element = per_element  # type: ignore[attr-defined]
+        wrapper.prediction_first = prediction_first  # type: ignore[attr-defined]
         return cast("OptionsChecked[_P, _R]", wrapper)
 
     return decorate
@@ -184,3 +198,21 @@ def check_rank(name, x, minimum, what):
     """Raises unless `x` has rank >= `minimum`; `what` says why it is needed."""
     if len(x.shape) < minimum:
         raise ValueError(f"`{name}` must have rank >= {minimum} ({what}); got shape {tuple(x.shape)}.")
+
+
+def optimizer(name, value):
+    """An optimizer instance, or a Keras identifier of one (`"adam"`, a
+    config dict) resolved as `compile` resolves it; a class, or anything
+    else, is refused naming `name`."""
+    if isinstance(value, type):
+        raise TypeError(f"`{name}` must be an optimizer instance; got the class {value.__name__}.")
+    if isinstance(value, (str, dict)):
+        try:
+            return keras.optimizers.get(value)
+        except ValueError as error:
+            raise ValueError(f"`{name}`: {error}") from None
+    if not isinstance(value, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"`{name}` must be a keras.optimizers.Optimizer instance (or a name such as 'adam'); got {value!r}."
+        )
+    return value

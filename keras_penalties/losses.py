@@ -33,7 +33,7 @@ from keras_penalties._types import (
     Tensor,
     TensorLike,
 )
-from keras_penalties.regularizers import ENTROPY_MODES, check_entropy_mode
+from keras_penalties.ops.divergences import ENTROPY_SIGNS, check_entropy_mode
 
 _PACKAGE = "keras_penalties.losses"
 _Loss = TypeVar("_Loss", bound="_PenaltyLoss")
@@ -208,7 +208,7 @@ class Entropy(_PenaltyLoss):
         return super().__call__(y_pred if y_true is None else y_true, y_pred, sample_weight)
 
     def _reduced(self, y_true: Tensor, y_pred: Tensor, reduction: Reduction) -> Tensor:
-        return ENTROPY_MODES[self.mode] * penalties.entropy(y_pred, reduction=reduction, **self._options)
+        return ENTROPY_SIGNS[self.mode] * penalties.entropy(y_pred, reduction=reduction, **self._options)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "mode": self.mode}

@@ -41,19 +41,6 @@ _Exclude: TypeAlias = str | list[str] | tuple[str, ...] | None
 _Wrapped = TypeVar("_Wrapped", bound="_Wrapper")
 
 
-def _check_optimizer(optimizer):
-    if isinstance(optimizer, str):
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as error:
-            raise ValueError(f"`optimizer`: {error}") from None
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            f"`optimizer` must be a keras.optimizers.Optimizer instance (or a name such as 'adam'); got {optimizer!r}."
-        )
-    return optimizer
-
-
 def _check_exclude(exclude):
     if exclude is None:
         return []
@@ -75,7 +62,7 @@ class _Wrapper(keras.optimizers.Optimizer):
     built: bool  # Keras' Optimizer sets it; declared for type checkers (Keras has no types)
 
     def __init__(self, optimizer: _Optimizer, *, exclude: _Exclude = None, name: str | None = None) -> None:
-        optimizer = _check_optimizer(optimizer)
+        optimizer = check.optimizer("optimizer", optimizer)
         exclude = _check_exclude(exclude)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer

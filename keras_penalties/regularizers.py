@@ -18,7 +18,7 @@ statistic and is multiplied by the batch size, so the layer adds exactly
 factor × the KL sparsity penalty.
 """
 
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 
 import keras
 from keras import ops
@@ -27,13 +27,11 @@ from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
+from keras_penalties.ops.divergences import ENTROPY_SIGNS, check_entropy_mode
 from keras_penalties._types import Center, EntropyMode, OrthogonalityAxis, OrthogonalityMode, Tensor, TensorLike
 
 _PACKAGE = "keras_penalties.regularizers"
 
-# The sign each Entropy `mode` puts on H; losses.Entropy uses the same table.
-ENTROPY_MODES = {"penalty": 1.0, "bonus": -1.0}
-check_entropy_mode = check.choice(*get_args(EntropyMode))
 _Regularizer = TypeVar("_Regularizer", bound="_PenaltyRegularizer")
 
 
@@ -222,7 +220,7 @@ class Entropy(_PenaltyRegularizer):
         )
 
     def value(self, x: TensorLike) -> Tensor:
-        return ENTROPY_MODES[self.mode] * penalties.entropy(x, reduction="sum", **self._options)
+        return ENTROPY_SIGNS[self.mode] * penalties.entropy(x, reduction="sum", **self._options)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "mode": self.mode}

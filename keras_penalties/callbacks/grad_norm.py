@@ -1,7 +1,7 @@
 """`GradNorm`: term weights that balance the terms' gradient norms, stepped
 on every probe by an optimizer of their own; and its math."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -20,6 +20,17 @@ from keras_penalties.callbacks._targets import (
     _Target,
 )
 from keras_penalties.composite.loss import CompositeLoss
+
+
+class _State(NamedTuple):
+    """GradNorm's variables: the weights its optimizer steps, each term's
+    value at a fit's first probe Lᵢ(0), whether the next probe is a fit's
+    first (1 or 0), and α."""
+
+    weights: keras.Variable
+    initial: keras.Variable
+    first_probe: keras.Variable
+    alpha: keras.Variable
 
 
 class GradNorm(keras.callbacks.Callback):
@@ -108,7 +119,7 @@ class GradNorm(keras.callbacks.Callback):
         self._probes: dict[int, _Probe] = {}
         # GradNorm's own variables (made through `backend.outside_distribution`,
         # see `_new_state`) and the copy of `optimizer` that steps the weights.
-        self._state: list[keras.Variable] = []
+        self._state: _State | None = None
         self._stepper: Any = None
 
     def set_model(self, model: keras.Model) -> None:
@@ -133,12 +144,12 @@ class GradNorm(keras.callbacks.Callback):
 
     def _probe(self):
         model = self.model  # syncs JAX state
-        if not self._state or self._state[0].shape[0] != len(self.target.terms):
+        if self._state is None or self._state.weights.shape[0] != len(self.target.terms):
             self._new_state(len(self.target.terms))
             self._probes = {}
         if id(model) not in self._probes:
             # The weights' step runs in the probe's own compiled call.
-            update = (self._update, self._state + list(self._stepper.variables))
+            update = (self._update, [*self._state, *self._stepper.variables])
             self._probes[id(model)] = self._measurement(model, update)
         return self._probes[id(model)]
 
@@ -166,8 +177,9 @@ class GradNorm(keras.callbacks.Callback):
     def alpha(self, alpha: float) -> None:
         # The compiled probe reads α from a variable: a new value takes effect at the next probe.
         self._alpha = check.non_negative("alpha", alpha)
-        if getattr(self, "_state", None):
-            backend.outside_distribution(lambda: self._state[3].assign(self._alpha))
+        state = getattr(self, "_state", None)
+        if state is not None:
+            backend.outside_distribution(lambda: state.alpha.assign(self._alpha))
 
     def _new_state(self, count):
         """The weights the optimizer steps, the first probe's values Lᵢ(0),
@@ -185,15 +197,15 @@ class GradNorm(keras.callbacks.Callback):
 
         def make():
             ones = np.ones(count, "float32")
-            self._state = [
+            self._state = _State(
                 keras.Variable(ones, dtype="float32", name="gradnorm_weights"),
                 keras.Variable(ones, dtype="float32", trainable=False, name="gradnorm_initial_values"),
                 keras.Variable(1.0, dtype="float32", trainable=False, name="gradnorm_first_probe"),
                 keras.Variable(self.alpha, dtype="float32", trainable=False, name="gradnorm_alpha"),
-            ]
+            )
             # A copy built here: one made in a strategy scope applies only there.
             self._stepper = type(self.optimizer).from_config(self.optimizer.get_config())
-            self._stepper.build(self._state[:1])
+            self._stepper.build([self._state.weights])
 
         backend.outside_distribution(make)
 
@@ -214,8 +226,9 @@ class GradNorm(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Logs = None) -> None:
         self._step = 0
-        if self._state:  # Lᵢ(0) is the first probe of each fit
-            backend.outside_distribution(lambda: self._state[2].assign(1.0))
+        state = self._state
+        if state is not None:  # Lᵢ(0) is the first probe of each fit
+            backend.outside_distribution(lambda: state.first_probe.assign(1.0))
 
     def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         self._step += 1
@@ -226,7 +239,7 @@ class GradNorm(keras.callbacks.Callback):
             # The optimizer took the step (Adam's moments NaN with a NaN
             # gradient, every later step with them): the next probe makes
             # GradNorm's state, and the probe that steps it, afresh.
-            self._state = []
+            self._state = None
             raise ValueError(
                 f"GradNorm's new weights for {self.target.name!r} are not finite: {new.tolist()} "
                 f"(term values {values.tolist()}, gradient norms {norms.tolist()}); the weights were left as they were."
@@ -254,16 +267,7 @@ def _own_optimizer(optimizer):
     Keras identifier."""
     if optimizer is None:
         return keras.optimizers.Adam(learning_rate=0.025)
-    if isinstance(optimizer, type):
-        raise TypeError(f"`optimizer` must be an optimizer instance; got the class {optimizer.__name__}.")
-    if isinstance(optimizer, (str, dict)):
-        try:
-            return keras.optimizers.get(optimizer)
-        except ValueError as error:
-            raise ValueError(f"`optimizer`: {error}") from error
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"`optimizer` must be a keras.optimizers.Optimizer; got {optimizer!r}.")
-    return optimizer
+    return check.optimizer("optimizer", optimizer)
 
 
 def gradnorm_gradient(

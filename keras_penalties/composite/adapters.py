@@ -10,37 +10,16 @@ import inspect
 import keras
 from keras import ops
 
-from keras_penalties import _keras_internals, _replicas, backend
+from keras_penalties import _keras_internals, _replicas
 from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
 from keras_penalties.ops import _reductions as reductions
+from keras_penalties.ops._dtypes import as_float32
 
 OPS = {name: getattr(penalties, name) for name in penalties.PENALTIES}
-# Penalties on magnitudes: `reduction="none"` gives one value per element (not
-# per sample), and without a `reduction` option a composite uses Keras'
-# activity-regularizer scale (the mean over the batch), so their strength does
-# not depend on the batch size.
-MAGNITUDE_OPS = ("l1", "l2", "elastic_net")
 # A Keras Loss with one of these reductions divides by the batch size (and,
 # under a tf.distribute strategy, by the number of replicas).
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-# Ops whose first tensor is the model's prediction (the sampled tokens'
-# log-probabilities) and whose second the reference: in a CompositeLoss,
-# fed (y_pred, y_true).
-_PREDICTION_FIRST = ("kl_estimate",)
-
-
-def as_float32(tensors):
-    """Half-precision tensors of a structure as float32 copies; the others as they are."""
-    if not isinstance(tensors, (list, tuple, dict)):
-        # A lone tensor, what most objectives get: no structure to walk
-        # (keras.tree's walk is most of this function's time on eager torch).
-        return _as_float32(tensors)
-    return keras.tree.map_structure(_as_float32, tensors)
-
-
-def _as_float32(t):
-    return ops.cast(t, "float32") if hasattr(t, "dtype") and backend.is_half(t.dtype) else t
 
 
 def scalar(name, value):
@@ -192,7 +171,7 @@ class _OpPenalty(_Penalty):
     when it has per-sample values."""
 
     def __init__(self, fn, options):
-        if fn.__name__ in MAGNITUDE_OPS:
+        if fn.per_element:  # Keras' activity-regularizer scale: not the batch size's
             options.setdefault("reduction", "sum_over_batch_size")
         options = fn.check_options(**options)
         inputs = {name: options[name] for name in fn.tensor_options if options.get(name) is not None}
@@ -244,7 +223,7 @@ class _OpPenalty(_Penalty):
                 "(y_true, y_pred). Use it in a CompositeObjective with `inputs=(...)`, or in a "
                 "model's `compute_loss`."
             )
-        if self.fn.__name__ in _PREDICTION_FIRST:
+        if self.fn.prediction_first:
             return (y_pred, y_true)
         return super().loss_tensors(y_true, y_pred)
 
@@ -273,7 +252,7 @@ class _OpPenalty(_Penalty):
     def per_sample(self, *tensors):
         """One value per sample (per position for the divergences)."""
         values = self.fn(*tensors, **{**self.options, "reduction": "none"})
-        if self.fn.__name__ in MAGNITUDE_OPS and len(values.shape) > 1:
+        if self.fn.per_element and len(values.shape) > 1:
             # One value per sample: its sum ("sum", "sum_over_batch_size") or
             # its mean ("mean") over every axis but the batch.
             axes = tuple(range(1, len(values.shape)))

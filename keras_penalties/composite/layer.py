@@ -34,7 +34,7 @@ from keras_penalties._types import Penalty, Tensor, TensorLike, Weight, Weightin
 from keras_penalties import _validation as check
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.composite.adapters import as_float32
+from keras_penalties.ops._dtypes import as_float32
 from keras_penalties.composite.core import Composite, make_weight_variables
 from keras_penalties.composite.state import state_variable
 from keras_penalties._replicas import whole_batch_values
@@ -42,6 +42,7 @@ from keras_penalties.composite.state import RunningSums
 from keras_penalties.composite.term import Term, deserialize_terms
 
 
+# The package name where 0.1.0 registered it: saved files name it so.
 @keras.saving.register_keras_serializable(package="keras_penalties")
 class CompositeObjective(Composite, keras.layers.Layer):
     """A pass-through layer that adds Σ wᵢ·termᵢ of its inputs to the model's loss.

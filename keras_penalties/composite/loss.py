@@ -14,7 +14,7 @@ from keras_penalties._replicas import whole_batch_values
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import DType, Penalty, Tensor, TensorLike, Weighting
 from keras_penalties.composite import capture
-from keras_penalties.composite.adapters import as_float32
+from keras_penalties.ops._dtypes import as_float32
 from keras_penalties.composite.core import Composite, make_weight_variables
 from keras_penalties.composite.state import RunningSums
 from keras_penalties.composite.term import Term, deserialize_terms
@@ -72,6 +72,7 @@ def _loading(model: keras.Model, function: str) -> bool:
     return function == "compile_from_config"
 
 
+# The package name where 0.1.0 registered it: saved files name it so.
 @keras.saving.register_keras_serializable(package="keras_penalties.losses")
 class CompositeLoss(Composite, keras.losses.Loss):
     """A weighted sum of named losses: Σ wᵢ·lossᵢ(y_true, y_pred).

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import keras
 
 from keras_penalties import _validation as check
-from keras_penalties.composite.adapters import MAGNITUDE_OPS, is_op, op_named, penalty_of, scalar
+from keras_penalties.composite.adapters import is_op, op_named, penalty_of, scalar
 from keras_penalties._types import InputKeys, Penalty, PenaltyName, Tensor, TensorLike, Weight
 from keras_penalties.composite.weighting import check_weight, is_schedule
 
@@ -23,7 +23,7 @@ def _metric_op(argument, name):
     """An ops function named as a metric (by `argument`), with the default
     reduction a term by that name gets."""
     fn = op_named(argument, name)
-    if name in MAGNITUDE_OPS:
+    if fn.per_element:
         return functools.partial(fn, reduction="sum_over_batch_size")
     return fn
 
@@ -80,6 +80,7 @@ def _loadable(name, obj):
 # ---------------------------------------------------------------- Term
 
 
+# The package name where 0.1.0 registered it: saved files name it so.
 @keras.saving.register_keras_serializable(package="keras_penalties")
 class Term:
     """One named entry of a `CompositeObjective` or `CompositeLoss`.

@@ -62,3 +62,18 @@ def _common_float_dtype(dtypes):
 
 def from_compute(x, dtype):
     return cast_to(x, dtype)
+
+
+def as_float32(tensors):
+    """The one "make it float32" of the package: half-precision tensors of a
+    structure as float32 copies, the others as they are (a composite's
+    inputs under a mixed policy)."""
+    if not isinstance(tensors, (list, tuple, dict)):
+        # A lone tensor, what most objectives get: no structure to walk
+        # (keras.tree's walk is most of this function's time on eager torch).
+        return _as_float32(tensors)
+    return keras.tree.map_structure(_as_float32, tensors)
+
+
+def _as_float32(t):
+    return cast_to(t, "float32") if hasattr(t, "dtype") and backend.is_half(t.dtype) else t

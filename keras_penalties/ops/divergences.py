@@ -16,30 +16,42 @@ Conventions shared by all of them:
 
 import functools
 import math
-from typing import get_args
+from typing import Any, get_args
 
 import numpy as np
 from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import ChunkSize, Direction, Metric, Reduction, Tensor, TensorLike, TokenReduction
+from keras_penalties._types import (
+    ChunkSize,
+    Direction,
+    EntropyMode,
+    Metric,
+    Reduction,
+    Tensor,
+    TensorLike,
+    TokenReduction,
+)
 from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_level
 
 DIRECTIONS = get_args(Direction)
+# The sign each entropy `mode` of the Entropy regularizer and loss puts on H.
+ENTROPY_SIGNS = {"penalty": 1.0, "bonus": -1.0}
+check_entropy_mode = check.choice(*get_args(EntropyMode))
 METRICS = get_args(Metric)
 
 
-_DISTRIBUTION_OPTIONS = dict(
+_DISTRIBUTION_OPTIONS: dict[str, Any] = dict(
     from_logits=check.boolean,
     temperature=check.positive,
     axis=check.integer,
     reduction=check.REDUCTION,
 )
-_TOKEN_OPTIONS = dict(chunk_size=check.chunk_size)
+_TOKEN_OPTIONS: dict[str, Any] = dict(chunk_size=check.chunk_size)
 # The token-level ops' mask, which a Term feeds from its inputs.
 _TOKEN_TENSORS = ("mask",)
 

@@ -12,7 +12,7 @@ from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 
 
-@check.options(reduction=check.MAGNITUDE_REDUCTION)
+@check.options(per_element=True, reduction=check.MAGNITUDE_REDUCTION)
 def l1(x: TensorLike, *, reduction: MagnitudeReduction = "sum") -> Tensor:
     """L1 penalty: Σ|x|.
 
@@ -56,7 +56,9 @@ def _center(name: str, value: Any) -> Center:
     return check.number(name, value)
 
 
-@check.options(reduction=check.MAGNITUDE_REDUCTION, center=_center, clip=check.optional(check.positive))
+@check.options(
+    per_element=True, reduction=check.MAGNITUDE_REDUCTION, center=_center, clip=check.optional(check.positive)
+)
 def l2(
     x: TensorLike, *, reduction: MagnitudeReduction = "sum", center: Center = None, clip: float | None = None
 ) -> Tensor:
@@ -93,7 +95,7 @@ def l2(
     return dtypes.from_compute(reductions.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)
 
 
-@check.options(l1_ratio=check.closed_unit, reduction=check.MAGNITUDE_REDUCTION)
+@check.options(per_element=True, l1_ratio=check.closed_unit, reduction=check.MAGNITUDE_REDUCTION)
 def elastic_net(x: TensorLike, *, l1_ratio: float = 0.5, reduction: MagnitudeReduction = "sum") -> Tensor:
     """Elastic net penalty: α·Σ|x| + (1 − α)·Σx², α = `l1_ratio`.
 

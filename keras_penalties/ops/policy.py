@@ -72,6 +72,7 @@ def _token_weights(weights, like, dtype):
 
 @check.options(
     tensors=("mask", "old_logprobs"),
+    prediction_first=True,
     estimator=check.choice(*ESTIMATORS),
     reduction=check.TOKEN_REDUCTION,
     clip=_estimate_clip,
