@@ -282,18 +282,16 @@ def add_sublayer(model, layer):
     host._layers.append(layer)
 
 
-def calling_model(holds):
-    """The model among the frames above this function's caller (`self` of a
-    Keras Model method) for which `holds(model, function_name)` is true, or
-    None. Keras hands a loss no model; this is how a loss finds the one it
-    belongs to.
+def _model_among_callers(holds):
+    """The model among the frames above the public function calling this
+    one (`self` of a Keras Model method) for which `holds(model,
+    function_name)` is true, or None: the one frame walk of the package.
 
-    Relies on: Keras calling a compiled loss from a method of its model
-    (`Trainer.compute_loss`, and `Model.compile_from_config` when a .keras
-    file is loaded), within 64 frames (Keras 3.0 on); and CPython's
-    `sys._getframe`.
+    Relies on: CPython's `sys._getframe`, and Keras calling what the
+    functions below name from methods of its model within 64 frames
+    (Keras 3.0 on).
     """
-    frame = sys._getframe(2)
+    frame = sys._getframe(3)
     for _ in range(64):
         if frame is None:
             return None
@@ -304,16 +302,52 @@ def calling_model(holds):
     return None
 
 
+def model_computing(loss):
+    """The model whose compiled loss `loss` is, computing it now, or None.
+
+    Why a frame walk: Keras hands a loss no model, and calls a compiled loss
+    from its model's `Trainer.compute_loss` only, outside the model's call
+    (no call context), so the model is the `self` of a calling frame.
+    """
+    return _model_among_callers(
+        lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
+    )
+
+
+def model_training():
+    """The model with an optimizer whose method (`fit`'s step, a user's
+    `compute_loss`) is running now, or None: the model training a layer.
+
+    Why a frame walk: Keras hands a layer no model, and JAX's trainer runs
+    the model's `call` inside `stateless_call` without entering the
+    model's call context, so the outermost layer of the call
+    (`calling_layer`) is not the model there.
+    """
+    return _model_among_callers(lambda model, _: getattr(model, "optimizer", None) is not None)
+
+
+def model_compiling_from_file():
+    """The model whose compile config a `.keras` file is being loaded into
+    (the loss being made now belongs to it), or None.
+
+    Why a frame walk: `Model.compile_from_config` deserializes the loss and
+    builds the optimizer right after compiling, with no hook between, and
+    the loss's variables must be the model's by then.
+    """
+    return _model_among_callers(lambda model, function: function == "compile_from_config")
+
+
 def in_train_step():
     """Whether a model's `train_step` is among the calling frames: a loss
-    computed there is a training step's (Keras tells a loss nothing of it;
-    `evaluate` computes it in `test_step`).
+    computed there is a training step's (`evaluate` computes it in
+    `test_step`).
 
-    Relies on: Keras' trainers computing the loss from `Trainer.train_step`
-    (or a model's override of that name), traced (JAX, TF) or run (torch)
-    in Python (Keras 3.0 on), within 64 frames; and CPython's `sys._getframe`.
+    Why a frame walk: Keras tells a loss nothing of training, and FAMO's
+    state must advance at training steps only. Keras' trainers compute the
+    loss from `Trainer.train_step` (or a model's override of that name),
+    traced once (JAX, TF) or run each step (torch) in Python.
     """
-    return calling_model(lambda model, function: function == "train_step") is not None
+    return _model_among_callers(lambda model, function: function == "train_step") is not None
 
 
 # --- Optimizers ---------------------------------------------------------------

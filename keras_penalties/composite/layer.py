@@ -230,11 +230,11 @@ class CompositeObjective(Composite, keras.layers.Layer):
         return inputs
 
     def _training_model(self):
-        """The model training the objective: found once, among the calling
-        frames (Keras hands a layer no model), and kept weakly."""
+        """The model training the objective (`_keras_internals.model_training`),
+        found once and kept weakly."""
         model = self._kept.model()
         if model is None:
-            model = _keras_internals.calling_model(lambda m, _: getattr(m, "optimizer", None) is not None)
+            model = _keras_internals.model_training()
             if model is not None:
                 self._kept.model = weakref.ref(model)
         return model

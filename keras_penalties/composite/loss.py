@@ -60,18 +60,6 @@ class LossState(keras.layers.Layer):
             variable.assign(store[f"{i}"])
 
 
-def _computes(loss: keras.losses.Loss) -> Any:
-    # Keras calls a compiled loss from its model's compute_loss only.
-    return lambda model, _: any(item is loss for item in keras.tree.flatten(getattr(model, "loss", None)))
-
-
-def _loading(model: keras.Model, function: str) -> bool:
-    # A .keras file's compile config is deserialized inside
-    # Model.compile_from_config, which builds the optimizer right after
-    # compiling: the variables must be the model's by then.
-    return function == "compile_from_config"
-
-
 # The package name where 0.1.0 registered it: saved files name it so.
 @keras.saving.register_keras_serializable(package="keras_penalties.losses")
 class CompositeLoss(Composite, keras.losses.Loss):
@@ -158,7 +146,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         self._home = backend.variable_home()  # where `state` is made
         self._use_state(LossState(self.terms, self.weighting_rule, f"{self.name}_state", len(self.reported_keys)))
         self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
-        model = _keras_internals.calling_model(_loading)
+        model = _keras_internals.model_compiling_from_file()
         if model is not None:
             self.attach(model)
 
@@ -240,7 +228,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None, training: bool
     ) -> tuple[Tensor, Tensor]:
         if not self._attached:
-            model = _keras_internals.calling_model(_computes(self))
+            model = _keras_internals.model_computing(self)
             if model is not None:
                 self.attach(model)
         self.weighting_rule.before_step(self.state, self._model)
