@@ -154,7 +154,7 @@ LLM_CASES = [
 ]
 
 
-# ---------------------------------------------------------------- LLM heads: losses from hidden states (SPEC §10)
+# ---------------------------------------------------------------- LLM heads: losses from hidden states
 
 HEAD_SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
 # Rows per chunk: "auto" (the backend's budget: 65 rows of 128256 on JAX and

@@ -252,7 +252,7 @@ def train_token_objective():
     tokens, an off-policy GSPO step (importance weights, the corrected KL,
     a top-k KL, the entropy) and a DPO loss over pairs some of which do not
     count. Each is the mean over the global batch,
-    not the replicas' means' mean (SPEC §11); a layer before the objective adds an activity
+    not the replicas' means' mean; a layer before the objective adds an activity
     loss, which the objective's cross-replica sums must leave its
     replica's."""
     from keras_penalties import ops as P
@@ -277,7 +277,7 @@ def train_token_objective():
         return Term(cross_entropy, 0.1, inputs=("hidden", "labels", "mask"))
 
     def grpo(hidden, labels, mask):
-        # SPEC §12 from hidden states: per-token log-probabilities in chunks,
+        # RL fine-tuning from hidden states: per-token log-probabilities in chunks,
         # a PPO loss over sequences and a k3 KL to a reference over tokens.
         logprobs = P.token_logprobs(labels, P.linear(hidden, head.kernel, head.bias), mask=mask, chunk_size=4)
         frozen = keras.ops.stop_gradient(logprobs)
@@ -287,7 +287,7 @@ def train_token_objective():
         return loss + 0.5 * P.kl_estimate(logprobs, reference, mask=mask)
 
     def off_policy(hidden, labels, mask):
-        # SPEC §13 from hidden states: a sampler's truncated importance
+        # Off-policy correction from hidden states: a sampler's truncated importance
         # weights and kept tokens, GSPO over sequences, the importance-
         # corrected KL, a teacher's top-3 ids and the entropy from the same
         # chunks: every mean over the global batch's kept tokens.

@@ -1,4 +1,4 @@
-"""NumPy oracles for `keras_penalties.optimizers`, written from SPEC §8 and
+"""NumPy oracles for `keras_penalties.optimizers`, written from the documented formulas and
 the papers, and from Keras' documented SGD and Adam update rules (float64).
 
 An inner optimizer is a class with `step(w, g, t)` → new w, t the number of

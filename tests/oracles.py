@@ -1,6 +1,6 @@
 """Independent oracles for every function in `keras_penalties.ops`, and the case table.
 
-Each oracle is written from the formula in SPEC.md with NumPy/SciPy
+Each oracle is written from the documented formula with NumPy/SciPy
 (`scipy.special.rel_entr`, `scipy.stats.entropy`,
 `scipy.spatial.distance.jensenshannon`, `numpy.linalg.norm`), in float64,
 never from this package's code. Temperature on probabilities is applied as the

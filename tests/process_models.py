@@ -66,7 +66,7 @@ def distiller(chunk_size=4):
 
 
 def off_policy_loss(values, mask=None):
-    """SPEC §13 on `values` [batch, tokens] read as per-token
+    """Post-training on `values` [batch, tokens] read as per-token
     log-probabilities (−softplus(values)): a sampler's truncated importance
     weights, GSPO over sequences weighted by them, and the
     importance-corrected k3 KL, over the tokens `mask` keeps ([batch]: a

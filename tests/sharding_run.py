@@ -64,7 +64,7 @@ CASES = {
         [LABELS, MASK],
     ),
     # Mixed precision: half-precision hidden states and kernel, each chunk's
-    # logits in float32 (SPEC §10).
+    # logits in float32.
     "cross_entropy_head_bfloat16": (
         lambda hidden, kernel, labels, mask: P.cross_entropy(
             labels, P.linear(hidden, kernel), mask=mask, chunk_size=CHUNK

@@ -1,4 +1,4 @@
-"""`keras_penalties.distillation` (SPEC §10): `LogitsDivergence` and `Distiller`.
+"""`keras_penalties.distillation`: `LogitsDivergence` and `Distiller`.
 
 Numbers against NumPy float64 (the divergences), Keras' own
 `SparseCategoricalCrossentropy` (the student loss with sample weights) and

@@ -1,4 +1,4 @@
-"""Several devices give the one-device numbers (SPEC §4): training, History,
+"""Several devices give the one-device numbers: training, History,
 evaluate, every per-term value and every probe, to 1e-5 relative (a probe's
 weights, and numbers scaled by them, relative to their layer's largest: see
 tests/distributed_run.py).

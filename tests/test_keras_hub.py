@@ -54,7 +54,7 @@ def _gpt2(num_layers, seed):
 class HeadOwningLM(keras.Model):
     """A causal LM that owns its head: it outputs the backbone's hidden
     states and computes its loss from them, through the tied embedding,
-    `chunk_size` tokens at a time (SPEC §10's compute_loss override)."""
+    `chunk_size` tokens at a time (a compute_loss override)."""
 
     def __init__(self, backbone, chunk_size, **kwargs):
         inputs = backbone.input

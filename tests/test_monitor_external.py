@@ -1,5 +1,5 @@
 """PenaltyMonitor(external=...): scores outside the compiled step, run
-concurrently with a timeout; failures log NaN and warn once (SPEC §6)."""
+concurrently with a timeout; failures log NaN and warn once."""
 
 import math
 import time

@@ -1,4 +1,4 @@
-"""Several processes on this machine (SPEC §11), through tests/processes.py,
+"""Several processes on this machine, through tests/processes.py,
 each setup equal to one process on the same global batches:
 
 - JAX, 2 processes × 2 virtual CPU devices joined by

@@ -1,4 +1,4 @@
-"""`chunk_size=` on kl_divergence, js_divergence and entropy (SPEC §1): values
+"""`chunk_size=` on kl_divergence, js_divergence and entropy: values
 against the NumPy oracles, and value, gradient and training equal to the
 unchunked call — with masks, temperature, every direction, another axis,
 probabilities, half precision, empty inputs and row counts known only at run

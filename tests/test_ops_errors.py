@@ -121,7 +121,7 @@ ERRORS = {
         ValueError,
         r"`metric='cosine'`.*rank >= 2",
     ),
-    # ops.linear and ops.cross_entropy (SPEC §10)
+    # ops.linear and ops.cross_entropy
     "linear_features": (
         lambda: P.linear(X, np.ones((4, 5))),
         ValueError,

@@ -1,4 +1,4 @@
-"""`ops.linear` and `ops.cross_entropy` (SPEC §10): divergences, entropy and
+"""`ops.linear` and `ops.cross_entropy`: divergences, entropy and
 cross-entropy from hidden states and a vocabulary projection.
 
 Values against NumPy float64 on the materialised logits and against Keras'
@@ -473,7 +473,7 @@ class HeadLoss(keras.layers.Layer):
     """A causal LM's head as a loss layer: receives the hidden states, adds
     cross-entropy to the labels plus a reverse-KL pull towards fixed teacher
     logits, all through `ops.linear` on its own vocabulary projection, and
-    returns the hidden states (SPEC §10: a layer that owns its head)."""
+    returns the hidden states (a layer that owns its head)."""
 
     def __init__(self, chunk_size, **kwargs):
         super().__init__(**kwargs)

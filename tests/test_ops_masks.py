@@ -1,4 +1,4 @@
-"""`mask=` on kl_divergence, js_divergence and entropy (SPEC §1), against the
+"""`mask=` on kl_divergence, js_divergence and entropy, against the
 NumPy oracles' per-sample values reduced over the kept positions only."""
 
 import keras

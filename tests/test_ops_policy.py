@@ -1,4 +1,4 @@
-"""`ops.kl_estimate` and `ops.policy_loss` (SPEC §12) on log-probabilities
+"""`ops.kl_estimate` and `ops.policy_loss` on log-probabilities
 arriving as arrays (the remote case: a trainer elsewhere sends them).
 
 Oracles: NumPy float64 transcriptions of verl's `kl_penalty`, `agg_loss`

@@ -1,4 +1,4 @@
-"""Per-position values from hidden states in chunks (SPEC §1, §10, §12):
+"""Per-position values from hidden states in chunks:
 `reduction="none"` and the sequence reductions of the token-level ops on
 `ops.linear(...)` logits with `chunk_size`, and `ops.token_logprobs`.
 

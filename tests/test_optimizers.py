@@ -1,4 +1,4 @@
-"""keras_penalties.optimizers against closed forms (SPEC §8), step by step and in `fit`.
+"""keras_penalties.optimizers against closed forms, step by step and in `fit`.
 
 Oracles: tests/optimizer_oracles.py (NumPy, float64) — Keras' SGD and Adam
 update rules, soft thresholding and the L2 prox, AGC, centralization and the

@@ -120,7 +120,7 @@ def test_config_holds_every_option():
 
 @pytest.mark.parametrize("dtype, expected", [("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32")])
 def test_value_dtype_follows_input_and_half_gives_float32(dtype, expected):
-    # Mixed precision: a loss contribution is float32 (SPEC §2).
+    # Mixed precision: a loss contribution is float32.
     x = keras.ops.ones((4, 3), dtype=dtype)
     for reg in ALL_REGULARIZERS:
         if isinstance(reg, R.KLSparsity):

@@ -1,4 +1,4 @@
-"""The chunked ops and fused heads on two devices (SPEC §11), read off the
+"""The chunked ops and fused heads on two devices, read off the
 compiled HLO and `memory_analysis()` (tests/sharding_run.py, in a
 subprocess: the device count is fixed when JAX starts).
 

@@ -1,5 +1,5 @@
 """Term(metrics=...): per-term custom numbers, reported beside the term and
-never added to the loss (SPEC §4)."""
+never added to the loss."""
 
 import keras
 import numpy as np

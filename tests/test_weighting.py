@@ -1,4 +1,4 @@
-"""Adaptive weighting (SPEC §9): uncertainty weighting, DynamicWeightAverage,
+"""Adaptive weighting: uncertainty weighting, DynamicWeightAverage,
 GradNorm and live CompositeLoss weights, each against its formula on a
 problem small enough to follow by hand (NumPy reimplements the training)."""
 
@@ -127,7 +127,7 @@ def test_composite_loss_log_variances_are_trained_without_passing_the_model(kind
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"], indirect=True)
 def test_the_multiplier_scales_the_log_variances_gradient_under_sgd(policy, tmp_path):
-    """SPEC §9: `weighting_learning_rate_multiplier` m scales ∂/∂sᵢ, so SGD
+    """`weighting_learning_rate_multiplier` m scales ∂/∂sᵢ, so SGD
     (with momentum) moves s as at learning rate m·lr; the loss value is
     unchanged (first epoch: s = 0), and m saves with the model."""
     inputs = keras.Input((3,))
@@ -347,7 +347,7 @@ def test_famo_gradient_is_the_effective_weights_times_each_loss_gradient():
 
 def test_famo_on_an_empty_batch_is_finite_and_near_zero():
     """Every Dᵢ = 0: the weights are equal, c = 1/Σⱼ zⱼ/(Dⱼ + ε) = ε, and
-    the value Σ c·zᵢ·log(Dᵢ + ε) = ε·ln ε ≈ −1.8e-7 (SPEC §9's formula at
+    the value Σ c·zᵢ·log(Dᵢ + ε) = ε·ln ε ≈ −1.8e-7 (the formula at
     L = 0, not exactly 0), with a finite gradient."""
     loss = CompositeLoss(
         {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()}, weighting="famo"
@@ -555,8 +555,8 @@ class _NumpySGD:
 
 
 def _gradnorm_oracle(history, alpha, optimizer, start=(1.0, 1.0)):
-    """The weights after each probe, from the probes' values and norms (SPEC
-    §9): one optimizer step on sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, clip at 0, sum to K;
+    """The weights after each probe, from the probes' values and norms (as
+    GradNorm documents): one optimizer step on sign(Gᵢ − Ḡ·rᵢ^α)·gᵢ, clip at 0, sum to K;
     `start`: the weights in use at the first probe."""
     w, initial, out = np.array(start, np.float64), None, []
     for entry in history:
@@ -701,7 +701,7 @@ def test_gradnorm_alpha_set_after_a_probe_takes_effect_at_the_next():
 
 
 def test_gradnorm_moves_a_term_with_small_gradients_as_fast_as_one_with_large_ones():
-    """Adam's normalisation removes the scale of gᵢ (SPEC §9): with norms
+    """Adam's normalisation removes the scale of gᵢ: with norms
     about 10⁶ apart, the first probe moves both weights by the learning rate
     (the larger norm down, the smaller up: rᵢ = 1, so the goal is Ḡ), where
     a signed step of lr·gᵢ would leave the small one where it was."""
