@@ -3,14 +3,14 @@ each setup equal to one process on the same global batches:
 
 - JAX, 2 processes × 2 virtual CPU devices joined by
   `keras.distribution.initialize` (tests/multiprocess_run.py): `fit` and
-  `evaluate` of composites with per-term logs (§13's off-policy GSPO among them), uncertainty and FAMO
+  `evaluate` of composites with per-term logs (an off-policy GSPO term among them), uncertainty and FAMO
   weighting, `PenaltyMonitor`, `GradNorm`, `ProximalDecay` around
   `AdaptiveGradientClipping`, the fused `Distiller` with uneven token masks
   (in chunks, and at its default chunk_size: the logits formed whole);
 - TensorFlow, 2 `MultiWorkerMirroredStrategy` workers in a custom loop
   (tests/multiworker_run.py; Keras' `fit` fails there, keras#20585):
   an objective's add_loss, `compute` with a masked token mean over uneven
-  masks (an entropy, and §13's off-policy GSPO with importance weights),
+  masks (an entropy, and an off-policy GSPO term with importance weights),
   the optimizer wrappers, `Distiller.compute_loss`;
 - torch, 2 processes with `DistributedDataParallel` (gloo) in a custom loop
   (tests/ddp_run.py): the same calls.

@@ -6,7 +6,7 @@ soft-capped heads (`ops.linear(..., soft_cap=c)`, Gemma 2's).
 Oracles: NumPy float64 transcriptions of TRL's and verl's code
 (tests/off_policy_oracles.py and tests/rl_oracles.py, citing repository,
 path and commit); closed forms (the top-k KL's gradient, the returns'
-linear map); the same op on the formed logits. And every §13 option error,
+linear map); the same op on the formed logits. And every option error of the off-policy ops,
 before any tensor work.
 """
 
@@ -357,6 +357,6 @@ def test_a_frozen_head_costs_the_products_of_the_formed_logits():
         return ops.sum(P.token_logprobs(LABELS, ops.matmul(h, k)))
 
     # Frozen: the logits and the hidden gradient, a product each, as formed; a trained kernel adds the
-    # backward pass's logits (the §12 row's known cost).
+    # backward pass's logits (the per-token log-probabilities row's known cost).
     assert products(fused, 0) == products(formed, 0) == 2
     assert products(fused, (0, 1)) == products(formed, (0, 1)) + 1
