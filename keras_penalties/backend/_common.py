@@ -227,7 +227,7 @@ def outside_distribution(fn, in_strategy=False):
     sees none, and computes on whole values as one device would, without
     Keras' loss scaling for a distribution. From the host thread itself, or
     where the caller's thread has none of them either, `fn()` here (the hop
-    costs 50-70 µs)."""
+    costs time: bench/results/README.md)."""
     if getattr(_on_host, "active", False):
         return fn()
     plain = keras.distribution.distribution() is None and keras.config.dtype_policy().name == "float32"

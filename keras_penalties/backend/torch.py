@@ -168,7 +168,7 @@ def increment(variable):
 
 
 # On eager torch Keras' dispatch of an op on a few-element tensor costs more
-# than its math (FAMO's whole update: 162 → 134 µs a training step).
+# than its math (bench/results/README.md).
 SMALL_OPS = types.SimpleNamespace(
     stop_gradient=torch.Tensor.detach,
     log=torch.log,
@@ -184,8 +184,8 @@ SMALL_OPS = types.SimpleNamespace(
 
 def assign_all(pairs):
     """As `_common.assign_all`, in place: Keras' assignment checks and
-    converts each value first (about 15 µs a variable, FAMO's five at every
-    training step). In a stateless scope the values are the scope's."""
+    converts each value first, at every training step of FAMO's five. In a
+    stateless scope the values are the scope's."""
     if _keras_internals.in_stateless_scope():
         return _common.assign_all(pairs)
     with torch.no_grad():

@@ -57,9 +57,8 @@ def ops_reduction(loss, y_true, y_pred, sample_weight):
     values: no `sample_weight`, no Keras mask on `y_pred`, the tensors
     already of the loss's dtype, float32 or float64 (`y_true` None where the
     loss does not read it), and no tf.distribute replicas to divide a mean
-    by; else None, and Keras' own `__call__` is the way. Keras' per-call
-    work costs about as much as a small term itself on eager torch
-    (bench/results/README.md, issue 25's third round)."""
+    by; else None, and Keras' own `__call__` is the way (its per-call work
+    costs as much as a small term on eager torch: bench/results/README.md)."""
     reduction = _OPS_REDUCTION.get(loss.reduction)
     if reduction is None or sample_weight is not None or loss.dtype not in ("float32", "float64"):
         # (A half-precision loss would round each sample's value before

@@ -243,7 +243,7 @@ class FAMO(FixedWeights):
         logits = owner.famo_logits.value
         if update:
             steps = owner.famo_steps.value
-            # Operators, not `keras.ops` calls (5 µs each on eager torch):
+            # Operators, not `keras.ops` calls (each a dispatch on eager torch):
             # 0⁰ = 1, so `first` is 1 at the first step and 0 after. δ is 0
             # at the first step (no previous step to compare with); with ξ
             # still 0 there, Adam's step is 0 and its moments stay 0.

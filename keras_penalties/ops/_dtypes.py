@@ -28,10 +28,8 @@ def dtypes(*tensors):
 
 
 # Skipping the conversions that change nothing (`backend.as_tensor`, and
-# `cast_to` below): on eager torch each Keras `convert_to_tensor` or `cast`
-# call costs microseconds of Python whatever it does, and a fit step of the
-# bench's MLP made 15 such casts and 10 such conversions of the package's
-# own (bench/results/README.md, issue 25).
+# `cast_to` below): on eager torch each Keras call costs Python time whatever
+# it does (bench/results/README.md).
 
 
 def cast_to(x, dtype):
