@@ -13,7 +13,7 @@ written: the runtime checks (`_validation.choice`) take them with
 callers.
 """
 
-from typing import Any, Callable, Literal, Optional, Sequence, TypeAlias, Union
+from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence, TypeAlias, Union
 
 Tensor: TypeAlias = Any
 TensorLike: TypeAlias = Any
@@ -85,3 +85,15 @@ Weight: TypeAlias = Union[float, Callable[[Any], Any]]
 InputKeys: TypeAlias = Union[str, int, Sequence[Union[str, int]], None]
 # Keras callbacks' `logs`.
 Logs: TypeAlias = Optional[dict[str, Any]]
+
+
+class Head(NamedTuple):
+    """A linear head as it crosses the backend contract (`chunked_sum`,
+    `chunked_values`): hidden states as rows [positions, H], the kernel
+    ([H, V], or [V, H] with `transpose`: a tied embedding), the bias [V] or
+    None; its logits are formed a chunk of rows at a time."""
+
+    rows: Any
+    kernel: Any
+    bias: Any
+    transpose: bool

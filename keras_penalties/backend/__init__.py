@@ -54,10 +54,12 @@ names, and importing fails if one is defined by neither):
   with its value so that the backward pass recomputes nothing (a
   `custom_vjp` scan on JAX, a custom gradient's loop on TF, an
   `autograd.Function`'s loop on torch).
-- `chunked_sum(fn, rows, shared, weights, chunk_size, dtype)`: `(total,
-  columns)`: the scalar total Σᵣ weights[r]·fn(chunk of `rows`,
-  `shared`)[r] over chunks of `chunk_size` rows, whose gradient w.r.t. the
-  rows and `shared` (e.g. hidden states and a vocabulary projection) is
+- `chunked_sum(fn, rows, heads, weights, chunk_size, dtype)`: `(total,
+  columns)`: the scalar total Σᵣ weights[r]·fn(chunk logits of `heads`,
+  chunk of `rows`)[r] over chunks of `chunk_size` rows (`heads`: a list of
+  `_types.Head(rows, kernel, bias, transpose)`, each head's logits formed
+  a chunk at a time), whose gradient w.r.t. the
+  rows and the heads (hidden states and a vocabulary projection) is
   formed in the forward pass for the inputs that need one (a `custom_vjp`,
   a `custom_gradient`, an `autograd.Function`), so nothing is recomputed
   and no chunk's temporaries outlive it. With weights [n, k] and fn giving

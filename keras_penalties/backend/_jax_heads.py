@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import keras
 from jax.sharding import PartitionSpec
 
+from keras_penalties._types import Head
+
 
 def project(rows, kernel, transpose_kernel):
     """`rows @ kernel`, or `rows @ kernelᵀ` without a transposed copy (a
@@ -91,13 +93,13 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     if split is None:
         return _chunked_sum(fn, rows, heads, weights, chunk_size, dtype)
     mesh, axis = split
-    rows, transposed = list(rows), [head[3] for head in heads]
-    has_bias = [head[2] is not None for head in heads]
+    rows, transposed = list(rows), [head.transpose for head in heads]
+    has_bias = [head.bias is not None for head in heads]
     # The kernels and biases in the compute dtype before the devices split
     # (each chunk reads them so anyway): their gradients are then summed
     # over the devices in it too, and rounded to a half dtype once.
-    params = [p.astype(dtype) for head in heads for p in head[1:3] if p is not None]
-    rowwise = rows + [head[0] for head in heads]
+    params = [p.astype(dtype) for head in heads for p in (head.kernel, head.bias) if p is not None]
+    rowwise = rows + [head.rows for head in heads]
     sharded, whole = PartitionSpec(axis), PartitionSpec()
     specs = (sharded,) * len(rowwise) + (whole,) * len(params) + (sharded,)
 
@@ -105,7 +107,7 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
         local_rows, hidden = args[: len(rows)], args[len(rows) : len(rowwise)]
         params, local_weights = iter(args[len(rowwise) : -1]), args[-1]
         local_heads = [
-            [h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)
+            Head(h, next(params), next(params) if b else None, t) for h, b, t in zip(hidden, has_bias, transposed)
         ]
         # Each device's partial sums, one entry of sharded vectors: summed
         # outside, so that no collective runs inside the loop.
@@ -167,8 +169,8 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     per chunk).
     """
     rows = list(rows)
-    transposed = [head[3] for head in heads]
-    heads = [list(head[:3]) for head in heads]
+    transposed = [head.transpose for head in heads]
+    heads = [[head.rows, head.kernel, head.bias] for head in heads]
     row_dtypes = [r.dtype for r in rows]
     head_dtypes = [[None if p is None else p.dtype for p in head] for head in heads]
 
@@ -283,10 +285,10 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     `custom_vjp` over the inputs JAX differentiates; under Keras'
     `DataParallel`, each device maps its own rows)."""
     rows = list(rows)
-    transposed = [head[3] for head in heads]
+    transposed = [head.transpose for head in heads]
 
     def full(heads):
-        return [list(head) + [t] for head, t in zip(heads, transposed)]
+        return [Head(*head, t) for head, t in zip(heads, transposed)]
 
     @jax.custom_vjp
     def values(rows, heads):
@@ -335,7 +337,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         return pullback(jnp.ones((), dtype))
 
     values.defvjp(forward, backward, symbolic_zeros=True)
-    return values(rows, [list(head[:3]) for head in heads])
+    return values(rows, [[head.rows, head.kernel, head.bias] for head in heads])
 
 
 def _one_value_a_row(fn, rows, heads, chunk_size, dtype):
@@ -361,14 +363,14 @@ def _mapped_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
         return _local_values(fn, rows, heads, chunk_size, dtype, jacobians)
     mesh, axis = split
     transposed, has_bias = [h[3] for h in heads], [h[2] is not None for h in heads]
-    params = [p.astype(dtype) for head in heads for p in head[1:3] if p is not None]
-    rowwise = rows + [head[0] for head in heads]
+    params = [p.astype(dtype) for head in heads for p in (head.kernel, head.bias) if p is not None]
+    rowwise = rows + [head.rows for head in heads]
     sharded, whole = PartitionSpec(axis), PartitionSpec()
 
     def local(*args):
         local_rows, hidden, params = args[: len(rows)], args[len(rows) : len(rowwise)], iter(args[len(rowwise) :])
         local_heads = [
-            [h, next(params), next(params) if b else None, t] for h, b, t in zip(hidden, has_bias, transposed)
+            Head(h, next(params), next(params) if b else None, t) for h, b, t in zip(hidden, has_bias, transposed)
         ]
         return _local_values(fn, list(local_rows), local_heads, chunk_size, dtype, jacobians)
 

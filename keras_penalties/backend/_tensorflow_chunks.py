@@ -9,6 +9,8 @@ import functools
 
 import tensorflow as tf
 
+from keras_penalties._types import Head
+
 from keras_penalties import _keras_internals
 from keras_penalties.backend._tensorflow_blocks import add_kernel_grad, in_blocks
 
@@ -188,8 +190,10 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     # Keras variables (a head's kernel) are read here, on the tape: Keras'
     # convert_to_tensor hands a variable back as it is.
     rows = [tf.convert_to_tensor(r) for r in rows]
-    transposed = [head[3] for head in heads]
-    heads = [[None if p is None else tf.convert_to_tensor(p) for p in head[:3]] for head in heads]
+    transposed = [head.transpose for head in heads]
+    heads = [
+        [None if p is None else tf.convert_to_tensor(p) for p in (head.rows, head.kernel, head.bias)] for head in heads
+    ]
     flat = rows + [p for head in heads for p in head if p is not None]
     recorded = [t.dtype.is_floating and _recorded(t) for t in flat]
     row_wanted = [i for i in range(len(rows)) if recorded[i]]
@@ -341,8 +345,10 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     logits again as `chunked_sum` with it as the weights, under a tape of
     its own."""
     rows = [tf.convert_to_tensor(r) for r in rows]
-    transposed = [head[3] for head in heads]
-    parts = [[None if p is None else tf.convert_to_tensor(p) for p in head[:3]] for head in heads]
+    transposed = [head.transpose for head in heads]
+    parts = [
+        [None if p is None else tf.convert_to_tensor(p) for p in (head.rows, head.kernel, head.bias)] for head in heads
+    ]
     flat = rows + [p for head in parts for p in head if p is not None]
     # The inputs a tape records (a frozen teacher's head is not): all float
     # inputs where the graph is differentiated from outside (see `_traced_untaped`).
@@ -362,7 +368,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     def unflatten(tensors):
         rest = iter(tensors[len(rows) :])
         return list(tensors[: len(rows)]), [
-            [None if p is None else next(rest) for p in head] + [t] for head, t in zip(parts, transposed)
+            Head(*[None if p is None else next(rest) for p in head], t) for head, t in zip(parts, transposed)
         ]
 
     def cast(x):

@@ -5,6 +5,8 @@
 import keras
 import torch
 
+from keras_penalties._types import Head
+
 
 def project(rows, kernel, transpose_kernel):
     """`rows @ kernel`, or `rows @ kernelᵀ` through a transposed view (no
@@ -133,21 +135,20 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     scales them by the upstream scalar. Nothing is recomputed. First order
     only."""
     rows = list(rows)
-    layout = (len(rows), tuple((bool(head[3]), head[2] is not None) for head in heads))
-    flat = rows + [p for head in heads for p in head[:3] if p is not None]
+    layout = (len(rows), tuple((bool(head.transpose), head.bias is not None) for head in heads))
+    flat = rows + [p for head in heads for p in (head.rows, head.kernel, head.bias) if p is not None]
     dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
     return _ChunkedSum.apply(fn, chunk_size, dtype, layout, weights, *flat)
 
 
 def _unflattened(layout, tensors):
     """`(rows, heads)` of a flat input list: `layout` is the number of rows,
-    then each head's (transpose_kernel, has_bias); a head is [hidden,
-    kernel, bias or None, transpose_kernel]."""
+    then each head's (transpose_kernel, has_bias); each head a `Head`."""
     n_rows, head_layout = layout
     heads, position = [], n_rows
     for transpose, has_bias in head_layout:
         count = 3 if has_bias else 2
-        heads.append(list(tensors[position : position + count]) + [None] * (3 - count) + [transpose])
+        heads.append(Head(*tensors[position : position + count], *[None] * (3 - count), transpose))
         position += count
     return list(tensors[:n_rows]), heads
 
@@ -262,7 +263,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
     `autograd.Function` that keeps its inputs, not their chunks: a second
     backward pass computes the chunks again)."""
     rows = list(rows)
-    layout = (len(rows), tuple((bool(head[3]), head[2] is not None) for head in heads))
-    flat = rows + [p for head in heads for p in head[:3] if p is not None]
+    layout = (len(rows), tuple((bool(head.transpose), head.bias is not None) for head in heads))
+    flat = rows + [p for head in heads for p in (head.rows, head.kernel, head.bias) if p is not None]
     dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
     return _ChunkedValues.apply(fn, chunk_size, dtype, layout, *flat)

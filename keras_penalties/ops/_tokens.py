@@ -15,7 +15,7 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import Tensor
+from keras_penalties._types import Head, Tensor
 from keras_penalties.ops import _chunks as chunks
 from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
@@ -188,7 +188,7 @@ def _fused_parts(values_fn, tensors, labels, chunk_size):
     for t in tensors:
         if isinstance(t, LinearLogits):
             sources.append((True, len(heads)))
-            heads.append([t.rows(), t.kernel, t.bias, t.transpose_kernel])
+            heads.append(Head(t.rows(), t.kernel, t.bias, t.transpose_kernel))
             lazy.append(t)
         else:
             sources.append((False, len(rows)))
@@ -205,12 +205,11 @@ def _fused_parts(values_fn, tensors, labels, chunk_size):
         extra = {} if labels is None else {"labels": chunk_rows[-1]}
         return values_fn(*inputs, axis=-1, **extra)
 
-    n = ops.shape((heads[0][0] if heads else rows[0]))[0]
+    n = ops.shape((heads[0].rows if heads else rows[0]))[0]
     classes = next(t.classes if isinstance(t, LinearLogits) else ops.shape(t)[-1] for t in tensors)
     chunk_size = chunks.chunk_rows(chunk_size, classes, n, heads=True)
     rows = [chunks.padded_rows(r, n, chunk_size, 0) for r in rows]
-    for head in heads:
-        head[0] = chunks.padded_rows(head[0], n, chunk_size, 0)
+    heads = [head._replace(rows=chunks.padded_rows(head.rows, n, chunk_size, 0)) for head in heads]
     return values, rows, heads, n, chunk_size
 
 
