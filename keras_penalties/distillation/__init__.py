@@ -25,7 +25,7 @@ from keras import ops
 from keras_penalties import _keras_internals, _replicas
 from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
-from keras_penalties._distiller_parts import (
+from keras_penalties.distillation._parts import (
     FeatureExtractors,
     Head,
     check_fusable_student_loss,
