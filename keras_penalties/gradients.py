@@ -94,7 +94,8 @@ def gradient_norms(
         raise TypeError(f"`objective` must be a CompositeObjective; got {objective!r}.")
     if base_loss is not None:
         _check_callable("base_loss", base_loss)
-    return function_norms(objective.gradient_functions(base_loss), inputs)
+    with backend.one_process():  # a measurement on the inputs given, in each process alone
+        return function_norms(objective.gradient_functions(base_loss), inputs)
 
 
 def function_norms(functions: dict[str, Callable[[Any], Tensor]], inputs: Any) -> dict[str, float]:

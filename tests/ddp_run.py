@@ -69,6 +69,10 @@ def regression(process, processes):
                 results[f"head/{name}"].append(float(_average([value.detach().clone()], processes)[0]))
             if start % (2 * per) == 0:
                 results.update({f"probe{start // per}_{epoch}/{k}": v for k, v in monitor.probe().items()})
+            if process == 0 and start == 0:
+                # A report on one process alone, gradients recorded: no
+                # collective waits for the others (a hang would time out).
+                head.report({"pred": forward(x[rows]), "mask": mask[rows]}, grad_norms=True)
     weights = {f"weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(model.trainable_variables)}
     return {**results, **weights}
 

@@ -164,7 +164,29 @@ def learned_composites():
             ),
         )
         for weighting in ("uncertainty", "famo")
+    } | {
+        "subclassed": (
+            CompositeObjective({"l2": Term("l2"), "l1": Term("l1")}, weighting="famo", name="sub_obj"),
+            L.CompositeLoss(
+                {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+                weighting="uncertainty",
+                name="sub_loss",
+            ),
+        )
     }
+
+
+class SubclassedModel(keras.Model):
+    """A subclassed model around an objective made before it: Keras builds
+    it in `fit`'s symbolic build (a stateless scope), where the objective's
+    state is made again."""
+
+    def __init__(self, objective):
+        super().__init__(name="subclassed")
+        self.body, self.objective, self.out = keras.layers.Dense(8, activation="tanh"), objective, keras.layers.Dense(4)
+
+    def call(self, x):
+        return self.out(self.objective(self.body(x)))
 
 
 def train_made_outside(composites):
@@ -174,9 +196,12 @@ def train_made_outside(composites):
     results = {}
     for weighting, (objective, loss) in composites.items():
         keras.utils.set_random_seed(3)
-        inputs = keras.Input((6,))
-        hidden = objective(keras.layers.Dense(8, activation="tanh")(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        if weighting == "subclassed":
+            model = SubclassedModel(objective)
+        else:
+            inputs = keras.Input((6,))
+            hidden = objective(keras.layers.Dense(8, activation="tanh")(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
         model.compile(keras.optimizers.SGD(0.05), loss=loss)
         history = model.fit(X, Y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         results[f"outside/{weighting}/loss"] = history.history["loss"]

@@ -102,6 +102,8 @@ def test_two_devices_match_one(mode):
         "outside/uncertainty/weights",
         "outside/famo/loss",
         "outside/famo/weights",
+        "outside/subclassed/loss",
+        "outside/subclassed/weights",
         "masked/history/mloss/ce",
         "masked/history/mloss/ce_sw",
         "masked/history/mloss/ce_ignore",

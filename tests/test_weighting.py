@@ -811,6 +811,21 @@ def test_adaptive_methods_refuse_learned_weights():
             model.fit(X, Y, epochs=1, verbose=0, callbacks=[callback])
 
 
+def test_weighting_as_a_rule_object_is_the_named_rule():
+    from keras_penalties.composite.weighting import FAMO, Uncertainty
+
+    by_object = CompositeObjective({"a": "l2", "b": "l1"}, weighting=FAMO(learning_rate=0.2, gamma=0.0))
+    by_name = CompositeObjective({"a": "l2", "b": "l1"}, weighting="famo", famo_learning_rate=0.2, famo_gamma=0.0)
+    assert by_object.get_config() == {**by_name.get_config(), "name": by_object.name}
+    assert by_object.built and by_name.built  # built with its state, as Keras builds a layer without weights to shape
+    with pytest.raises(ValueError, match="`learning_rate`"):
+        FAMO(learning_rate=-1.0)
+    with pytest.raises(ValueError, match="`learning_rate_multiplier`"):
+        Uncertainty(0.0)
+    with pytest.raises(ValueError, match="`weighting` given as a rule object"):
+        CompositeLoss({"l2": "l2"}, weighting=Uncertainty(2.0), weighting_learning_rate_multiplier=3.0)
+
+
 def test_weighting_survives_config_round_trips():
     objective = CompositeObjective({"a": "l2", "b": Term("l1", 0.5)}, weighting="uncertainty")
     again = CompositeObjective.from_config(objective.get_config())

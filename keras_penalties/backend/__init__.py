@@ -135,8 +135,10 @@ names, and importing fails if one is defined by neither):
   gradient flows through the sum (the package sums counts and frozen
   values).
 - `variable_home(model=None)`: where a variable made now (or `model`'s
-  variables) lives: the `tf.distribute` strategy (the default one
-  outside a scope), the Keras distribution on JAX, None on torch.
+  variables) lives: the `tf.distribute` strategy, the Keras distribution
+  on JAX; None outside any (and always on torch).
+- `one_process()`: a context in which each process computes alone, as on
+  one device (torch processes under DDP; nothing elsewhere).
 - `made_at(home)`: a context in which variables are made at `home`.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
@@ -194,6 +196,7 @@ _NAMES = (
     "sum_over_replicas",
     "variable_home",
     "made_at",
+    "one_process",
     "loss_replicas",
     "outside_distribution",
 )

@@ -210,6 +210,10 @@ def variable_home(model=None):
     return keras.distribution.distribution()
 
 
+def one_process():
+    return contextlib.nullcontext()
+
+
 def made_at(home):
     return contextlib.nullcontext() if home is None else home.scope()
 

@@ -5,6 +5,10 @@ Keras divides every loss, `add_loss` terms included, by the number of replicas b
 it sums their gradients; its `Loss` objects divide their means by it in a strategy.
 """
 
+import contextlib
+import functools
+import threading
+
 import tensorflow as tf
 from keras import ops
 
@@ -98,11 +102,23 @@ def gradients_in_sync():
 
 
 def variable_home(model=None):
-    return tf.distribute.get_strategy() if model is None else model.distribute_strategy
+    strategy = tf.distribute.get_strategy() if model is None else model.distribute_strategy
+    return None if strategy is _default_strategy() else strategy
+
+
+@functools.cache
+def _default_strategy():
+    # What `get_strategy()` gives outside any scope: a scope is per thread,
+    # and a new thread is in none.
+    found = []
+    thread = threading.Thread(target=lambda: found.append(tf.distribute.get_strategy()))
+    thread.start()
+    thread.join()
+    return found[0]
 
 
 def made_at(home):
-    return home.scope()
+    return contextlib.nullcontext() if home is None else home.scope()
 
 
 def sum_over_replicas(tensors, keep_losses_of=None):

@@ -116,6 +116,11 @@ def map_chunks(fn, chunks, dtype):
     return _MapChunks.apply(fn, dtype, *chunks)
 
 
+def variable_home(model=None):
+    # Keras has no torch distribution: every variable lives where it is made.
+    return None
+
+
 def as_tensor(x):
     """As `_common.as_tensor`, without Keras' call for a torch tensor already
     on Keras' device (`_keras_internals.torch_device`), which Keras'

@@ -1,7 +1,7 @@
 """`CompositeObjective`: a pass-through layer that `add_loss`es Σ wᵢ·termᵢ
 of the tensors flowing through it, and keeps each term's running value.
-Its weights and weighted total are `_composite.Composite`'s, shared with
-`keras_penalties.losses.CompositeLoss`.
+Its weights and weighted total are `composite.core.Composite`'s, shared with
+`CompositeLoss`.
 
 Weights, enabled flags, the step count that drives schedules and the running
 per-term values live in non-trainable variables, not Python floats: a change
@@ -115,9 +115,13 @@ class CompositeObjective(Composite, keras.layers.Layer):
         # The model training the objective, found at its first training call
         # (`_training_model`), weakly; in a plain holder, which Keras'
         # attribute tracking skips.
-        # `home`: where the state variables were made (see `build`).
+        # `home`: where the state variables were made (see `_made_where_used`).
         self._kept = types.SimpleNamespace(model=lambda: None, home=backend.variable_home())
         self._make_state()
+        # Built with its state, as a layer without a `build` of its own is;
+        # `build` (below) keeps Keras from locking the state, which
+        # `_made_where_used` may make again.
+        self.built = True
 
     def _make_state(self):
         with keras.name_scope(self.name, caller=self):
@@ -129,13 +133,28 @@ class CompositeObjective(Composite, keras.layers.Layer):
             self._running = RunningSums(self, len(self.reported_keys))
 
     def build(self, input_shape: Any = None) -> None:
-        """Keras builds the layer where the model is made: under a
-        `tf.distribute` strategy's scope or a JAX distribution the state
-        made before it (the objective constructed outside) is made again
-        there, with the values it holds, as Keras makes a layer's weights
-        in `build`."""
+        """The state is made at construction (and, where the layer is used
+        under a distribution it was not made in, again there: see
+        `__call__`); a file's build config finds it built."""
+        self._made_where_used()
+        self.built = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._made_where_used()
+        return super().__call__(*args, **kwargs)
+
+    def _made_where_used(self) -> None:
+        """Under a `tf.distribute` strategy's scope or a JAX distribution
+        that the state was not made in (the objective constructed before
+        it), the state made again there with the values it holds, as Keras
+        makes a layer's weights where it builds them; on the package's host
+        thread, since Keras' symbolic build is a stateless scope (a graph
+        on TF). State is never moved out of a distribution."""
         home = backend.variable_home()
-        if home is not self._kept.home:
+        if home is self._kept.home or home is None:
+            return
+
+        def make() -> None:
             names = [name for name, value in vars(self).items() if isinstance(value, keras.Variable)]
             values = {name: ops.convert_to_numpy(getattr(self, name)) for name in names}
             for name in names:
@@ -144,8 +163,9 @@ class CompositeObjective(Composite, keras.layers.Layer):
                 self._make_state()
             for name in names:
                 getattr(self, name).assign(values[name])
-            self._kept.home = home
-        self.built = True
+
+        backend.outside_distribution(make)
+        self._kept.home = home
 
     def _state_layer(self) -> Any:
         return self
@@ -319,6 +339,12 @@ class CompositeObjective(Composite, keras.layers.Layer):
             ):
                 raise TypeError(f"`base_loss` must be None, a scalar or a callable of `inputs`; got {base_loss!r}.")
         grad_norms = check.boolean("grad_norms", grad_norms)
+        # A report of the inputs given, in each process alone (no collective
+        # that a process printing it alone would wait on).
+        with backend.one_process():
+            return self._report(inputs, base_loss, grad_norms)
+
+    def _report(self, inputs, base_loss, grad_norms):
         total, values = self.compute(inputs)
         weights = ops.convert_to_numpy(self.current_weights())
         base = base_loss(inputs) if callable(base_loss) else base_loss

@@ -159,7 +159,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
         its variables) with the values it holds, if it was made elsewhere:
         a loss constructed outside a `tf.distribute` strategy's scope, or
         before a JAX distribution was set, and compiled inside it."""
-        if home is self._home:
+        if home is self._home or home is None:  # never moved out of a distribution
             return
         old = self.state
 

@@ -170,7 +170,7 @@ class Uncertainty(FixedWeights):
     learned = True
 
     def __init__(self, learning_rate_multiplier: float = 1.0) -> None:
-        self.learning_rate_multiplier = learning_rate_multiplier
+        self.learning_rate_multiplier = float(check.positive("learning_rate_multiplier", learning_rate_multiplier))
 
     def options(self) -> dict[str, Any]:
         return {"weighting_learning_rate_multiplier": self.learning_rate_multiplier}
@@ -210,7 +210,8 @@ class FAMO(FixedWeights):
     steps_in_training = True
 
     def __init__(self, learning_rate: float = FAMO_DEFAULTS[0], gamma: float = FAMO_DEFAULTS[1]) -> None:
-        self.learning_rate, self.gamma = learning_rate, gamma
+        self.learning_rate = float(check.positive("learning_rate", learning_rate))
+        self.gamma = float(check.non_negative("gamma", gamma))
 
     def options(self) -> dict[str, Any]:
         return {"famo_learning_rate": self.learning_rate, "famo_gamma": self.gamma}
@@ -226,10 +227,10 @@ class FAMO(FixedWeights):
         return owner.famo_last_weights.value
 
     def total(self, owner: Any, values: Any, weights: Any, enabled: Any, update: bool, model: Any) -> Any:
-        # Under several tf.distribute replicas the cross-replica sum and the
-        # state's assignments switch replica threads: the model's add_loss
-        # lists are kept as they were around them.
-        if _replicas.in_sync() == 1:
+        # Under several tf.distribute replicas (threads of one process) the
+        # cross-replica sum and the state's assignments switch replica
+        # threads: the model's add_loss lists are kept as they were around them.
+        if backend.gradients_in_sync() == 1:
             return self._total(owner, values, enabled, update)
         with _keras_internals.added_losses_kept(model):
             return self._total(owner, values, enabled, update)
@@ -284,6 +285,12 @@ def get(weighting: Any, multiplier: float = 1.0, famo: tuple[float, float] = FAM
     options checked (`multiplier` only for "uncertainty", `famo` only for
     "famo"), or `weighting` itself if it is a rule."""
     if isinstance(weighting, FixedWeights):
+        if (multiplier, tuple(famo)) != (1.0, FAMO_DEFAULTS):
+            raise ValueError("`weighting` given as a rule object takes its options itself, not as arguments beside it.")
+        if weighting.name not in WEIGHTINGS + (None,):
+            raise TypeError(
+                f"`weighting` must be None, 'uncertainty', 'famo' or one of their rules; got {weighting!r}."
+            )
         return weighting
     weighting = check_weighting(weighting)
     multiplier = check_multiplier(multiplier, weighting)
