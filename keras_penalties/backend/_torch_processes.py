@@ -40,10 +40,11 @@ def replicas_in_sync():
 def sum_over_replicas(tensors, keep_losses_of=None):
     """Each tensor (None stays None) summed over the processes in one
     all-reduce, without a gradient: the package sums counts and frozen
-    values. Torch keeps one list of added losses per process: nothing to keep."""
+    values, where `replicas_in_sync()` is more than 1. Torch keeps one list
+    of added losses per process: nothing to keep."""
     tensors = list(tensors)
     present = [i for i, t in enumerate(tensors) if t is not None]
-    if not present or replicas_in_sync() == 1:
+    if not present:
         return tensors
     parts = [tensors[i].detach().to(torch.float32).reshape(-1) for i in present]
     flat = torch.cat(parts)

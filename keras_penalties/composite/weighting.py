@@ -149,9 +149,9 @@ class FixedWeights:
         composite's numbers and schedules give at the step."""
         return set_weights()
 
-    def before_step(self, owner: Any, model: Any) -> None:
+    def before_step(self, owner: Any, training_model: Any) -> None:
         """Where the composite is computed in training, before the step is
-        traced or run; `model()` gives the model training it (or None)."""
+        traced or run; `training_model()` gives the model training it (or None)."""
 
     def total(self, owner: Any, values: Any, weights: Any, enabled: Any, update: bool, model: Any) -> Any:
         """Σ wᵢ·valueᵢ over the enabled terms (`enabled`: 1 or 0 each). With
@@ -184,9 +184,9 @@ class Uncertainty(FixedWeights):
     def weights(self, owner: Any, set_weights: Any) -> Any:
         return uncertainty_weights(self._learned(owner))
 
-    def before_step(self, owner: Any, model: Any) -> None:
+    def before_step(self, owner: Any, training_model: Any) -> None:
         # Decay would pull every weight ½·exp(−sᵢ) towards ½.
-        model = model()
+        model = training_model()
         if getattr(model, "optimizer", None) is not None:
             _keras_internals.exclude_from_weight_decay(model.optimizer, [owner.log_variances])
 
@@ -275,9 +275,6 @@ class FAMO(FixedWeights):
         # replica's own values, which Keras adds up to the whole batch's.
         own = values - frozen
         return math.sum((coefficients * log_losses + weights * own) * enabled)
-
-
-Rule = FixedWeights  # the type every rule is
 
 
 def get(weighting: Any, multiplier: float = 1.0, famo: tuple[float, float] = FAMO_DEFAULTS) -> FixedWeights:
