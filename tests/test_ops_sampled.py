@@ -229,6 +229,35 @@ def test_soft_capped_logits_equal_the_capped_formed_logits(chunk_size):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_a_soft_cap_is_exact_in_float64_from_zero_to_saturated_logits(chunk_size):
+    # Logits at 1e-4 (where torch's chunk loops' 2σ(2z/c) − 1 cancels), near c, and at ±40c (σ saturates).
+    cap = 30.0
+    scales = np.array([1e-4, 1e-4, 1.0, 25.0, 25.0, 1200.0], "float32")[:, None]
+    hidden = RNG.normal(size=(6, H)).astype("float32")
+    kernel = (RNG.normal(size=(H, V)) / np.abs(hidden @ RNG.normal(size=(H, V))).max()).astype("float32")
+    hidden = hidden * scales
+    ids = RNG.integers(0, V, size=(6,))
+    g = RNG.normal(size=(6, 2))
+
+    def weighted(h):
+        lp, ent = P.token_logprobs(ids, P.linear(h, kernel, soft_cap=cap), chunk_size=chunk_size, return_entropy=True)
+        upstream = ops.convert_to_tensor(f32(g))
+        return ops.sum(lp * upstream[:, 0]) + ops.sum(ent * upstream[:, 1])
+
+    z = hidden.astype("float64") @ kernel.astype("float64")
+    t = np.tanh(z / cap)
+    logp = special.log_softmax(cap * t, axis=-1)
+    p = np.exp(logp)
+    entropy = -(p * logp).sum(-1)
+    expected = (np.take_along_axis(logp, ids[:, None], -1)[:, 0] * g[:, 0]).sum() + (entropy * g[:, 1]).sum()
+    # d/dz of g₀·log p(id) + g₁·H, through the cap's (1 − tanh²).
+    dcapped = g[:, :1] * (np.eye(V)[ids] - p) - g[:, 1:] * p * (logp + entropy[:, None])
+    expected_grad = (dcapped * (1.0 - t**2)) @ kernel.astype("float64").T
+    np.testing.assert_allclose(float(compiled(weighted)(ops.convert_to_tensor(hidden))), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad(compiled(weighted), hidden), expected_grad, rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------ errors
 
 

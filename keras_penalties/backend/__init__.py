@@ -42,6 +42,14 @@ names, and importing fails if one is defined by neither):
   None where there is none (TF inside a chunk loop: the fused
   `sparse_softmax_cross_entropy_with_logits`, which has no second
   derivative, and a chunk's gradient is first order anyway).
+- `label_logprobs(logits, labels, entropy)`: [rows, K (+ 1)], log
+  softmax(logits) [rows, V] at each row's K labels and, with `entropy`,
+  the row's entropy last, by a cheaper way than a log-softmax, a pick and
+  an entropy, or None where there is none (torch inside a chunk loop: an
+  `autograd.Function` whose gradient is two passes over the chunk, first
+  order).
+- `soft_cap(logits, cap)`: cap·tanh(logits / cap) (torch inside a chunk
+  loop: an `autograd.Function` whose gradient is one pass, first order).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `is_half(dtype)`: whether a dtype is float16 or bfloat16 (the package
@@ -166,6 +174,8 @@ _NAMES = (
     "kl_rows",
     "pick_labels",
     "label_cross_entropy",
+    "label_logprobs",
+    "soft_cap",
     "smallest_normal",
     "is_half",
     "traced_outside_scope",

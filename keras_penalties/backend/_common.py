@@ -54,6 +54,21 @@ def label_cross_entropy(logits, labels, axis):
     return None
 
 
+def label_logprobs(logits, labels, entropy):
+    """[rows, K (+ 1)]: log softmax(logits) [rows, V] at each row's labels
+    [rows, K] and, with `entropy`, the row's entropy last, by a cheaper way
+    than a log-softmax, a pick and an entropy, or None where the backend has
+    none."""
+    return None
+
+
+def soft_cap(logits, cap):
+    """cap·tanh(logits / cap): logits soft-capped (Gemma 2's heads); `cap`
+    a Python float."""
+    cap = ops.cast(cap, logits.dtype)
+    return ops.tanh(logits / cap) * cap
+
+
 def smallest_normal(dtype):
     """The smallest normal number of a float dtype, as a Python float."""
     return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)

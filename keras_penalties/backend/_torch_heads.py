@@ -1,6 +1,10 @@
 """Torch's heads: logits formed from hidden states a chunk at a time
-(`chunked_sum`, `chunked_values`) and the product they are made of. Used by
-`backend/torch.py` only."""
+(`chunked_sum`, `chunked_values`), the product they are made of, and the
+first-order functions of a chunk's logits that save eager torch passes over
+them (`soft_cap`, `label_logprobs`). Used by `backend/torch.py` only."""
+
+import contextlib
+import contextvars
 
 import keras
 import torch
@@ -12,6 +16,87 @@ def project(rows, kernel, transpose_kernel):
     """`rows @ kernel`, or `rows @ kernelᵀ` through a transposed view (no
     copy: the BLAS call reads it transposed)."""
     return rows @ (kernel.T if transpose_kernel else kernel)
+
+
+# Whether the code running is a chunk loop's function of a chunk's logits,
+# whose gradient is taken once (first order): where `soft_cap` and
+# `label_logprobs` fuse.
+_in_chunk = contextvars.ContextVar("keras_penalties_torch_in_chunk", default=False)
+
+
+@contextlib.contextmanager
+def _chunk_body():
+    token = _in_chunk.set(True)
+    try:
+        yield
+    finally:
+        _in_chunk.reset(token)
+
+
+class _SoftCap(torch.autograd.Function):
+    """c·tanh(z / c) as 2c·σ(2z / c) − c: torch's CPU `tanh` is five times
+    its `sigmoid` (bench/results/README.md); within 4 float32 ulps of c of
+    the exact cap (2σ − 1 cancels near 0). Its gradient 4σ(1 − σ) is two
+    passes over the saved σ, where autograd's takes three."""
+
+    @staticmethod
+    def forward(ctx, logits, cap):
+        s = torch.mul(logits, 2.0 / cap).sigmoid_()
+        ctx.save_for_backward(s)
+        return torch.add(torch.tensor(-cap, dtype=s.dtype), s, alpha=2.0 * cap)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        (s,) = ctx.saved_tensors
+        return torch.ops.aten.sigmoid_backward(upstream, s).mul_(4.0), None
+
+
+def soft_cap(logits, cap):
+    """As `_common.soft_cap`; in a chunk loop, `_SoftCap` (first order)."""
+    if not _in_chunk.get():
+        return torch.tanh(logits / cap) * cap
+    return _SoftCap.apply(logits, float(cap))
+
+
+class _LabelLogprobs(torch.autograd.Function):
+    """[rows, K (+ 1)]: log softmax(z) at each row's K labels and, with
+    `entropy`, H = −Σ p log p last. The gradient, for upstream g (the K
+    labels') and h (H's): Σₖ gₖ·onehotₖ − p·(Σₖ gₖ + h·(log p + H)), in
+    two passes over the saved log p and p (autograd's takes about six)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, entropy):
+        logp = torch.log_softmax(logits, dim=-1)
+        columns = [logp.gather(-1, labels)]
+        p = None
+        if entropy:
+            p = logp.exp()
+            columns.append(-torch.linalg.vecdot(p, logp)[:, None])
+        ctx.entropy = entropy
+        ctx.save_for_backward(logp, labels, *([] if p is None else [p, columns[1]]))
+        return torch.cat(columns, dim=-1) if entropy else columns[0]
+
+    @staticmethod
+    def backward(ctx, upstream):
+        logp, labels, *rest = ctx.saved_tensors
+        k = labels.shape[-1]
+        picked = upstream[:, :k]
+        total = picked.sum(-1, keepdim=True)
+        if ctx.entropy:
+            p, h = rest
+            slope = upstream[:, k:]
+            grad = torch.addcmul(-(total + slope * h), slope, logp, value=-1).mul_(p)
+        else:
+            grad = logp.exp().mul_(-total)
+        return grad.scatter_add_(-1, labels, picked), None, None
+
+
+def label_logprobs(logits, labels, entropy):
+    """As `_common.label_logprobs`; in a chunk loop, `_LabelLogprobs`
+    (first order) for float32 and float64 logits."""
+    if not _in_chunk.get() or logits.dtype not in (torch.float32, torch.float64):
+        return None
+    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy)
 
 
 class _ChunkedSum(torch.autograd.Function):
@@ -88,7 +173,7 @@ def _sum_loop(fn, chunk_size, dtype, layout, weights, tensors, needs):
             ]
         watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
         watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
-        with torch.enable_grad():
+        with torch.enable_grad(), _chunk_body():
             chunk_columns = torch.sum(weights[start:stop] * fn(logits, chunk_rows), dim=0)
             value = torch.sum(chunk_columns)
             connected = watched and value.requires_grad
@@ -110,11 +195,6 @@ def _sum_loop(fn, chunk_size, dtype, layout, weights, tensors, needs):
         # Freed now, not when the next chunk's rebind them: else the next
         # chunk's logits are formed beside this one's and their gradient.
         del logits, watched, grads, dlogits, chunk_columns, value
-    kept = [(i, g) for i, g in row_grads.items()]
-    for j, (head, at) in enumerate(heads):
-        for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
-            if j in grads_of:
-                kept.append((at + k, grads_of[j]))
     kept = [(i, g) for i, g in row_grads.items()]
     for j, (head, at) in enumerate(heads):
         for k, grads_of in enumerate((hidden_grads, kernel_grads, bias_grads)):
@@ -201,11 +281,11 @@ class _ChunkedValues(torch.autograd.Function):
                 ]
             chunk_rows = [cast(r[start:stop]) for r in rows]
             if jacobians is None:
-                with torch.no_grad():
+                with torch.no_grad(), _chunk_body():
                     chunk = fn(logits, chunk_rows)
             else:
                 watched = [x.requires_grad_(True) for x, j in zip(logits, jacobians) if j is not None]
-                with torch.enable_grad():
+                with torch.enable_grad(), _chunk_body():
                     chunk = fn(logits, chunk_rows)
                     if chunk.dim() == 1:
                         # A row's value depends on its own row alone: the

@@ -8,7 +8,13 @@ import torch
 from keras_penalties import _keras_internals
 from keras_penalties.backend import _common
 from keras_penalties.backend._common import TINY, smallest_normal
-from keras_penalties.backend._torch_heads import chunked_sum, chunked_values, project  # noqa: F401  (the backend's contract)
+from keras_penalties.backend._torch_heads import (  # noqa: F401  (the backend's contract)
+    chunked_sum,
+    chunked_values,
+    label_logprobs,
+    project,
+    soft_cap,
+)
 from keras_penalties.backend._torch_processes import one_process, replicas_in_sync, sum_over_replicas  # noqa: F401
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms

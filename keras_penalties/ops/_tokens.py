@@ -76,8 +76,7 @@ class LinearLogits:
         """`logits` (z = hidden @ kernel + bias) soft-capped: c·tanh(z / c)."""
         if self.soft_cap is None:
             return logits
-        cap = ops.cast(self.soft_cap, logits.dtype)
-        return ops.tanh(logits / cap) * cap
+        return backend.soft_cap(logits, self.soft_cap)
 
     def materialise(self, compute: str) -> Tensor:
         """The whole logits, computed in `compute` (float32 from half inputs)."""

@@ -258,8 +258,12 @@ def _logprob_columns(
 ) -> Tensor:
     """[rows, K (+ 1)]: log p of each row's labels ([rows] or [rows, K]) and,
     with `entropy`, the row's entropy last (classes on the last `axis`)."""
+    labels = labels if several else labels[:, None]
+    fused = backend.label_logprobs(logits if temperature == 1.0 else logits / temperature, labels, entropy)
+    if fused is not None:
+        return fused
     logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
-    picked = ops.take_along_axis(logp, labels if several else labels[:, None], axis=-1)
+    picked = ops.take_along_axis(logp, labels, axis=-1)
     if not entropy:
         return picked
     return ops.concatenate([picked, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
