@@ -277,6 +277,13 @@ ERRORS = {
     "bounds_order": (lambda: P.importance_weights(U, U, bounds=(2.0, 1.0)), ValueError, r"`bounds` must be \(low"),
     "bounds_negative": (lambda: P.importance_weights(U, U, bounds=(-1.0, None)), ValueError, r"`bounds`"),
     "bounds_pair": (lambda: P.importance_weights(U, U, bounds=2.0), ValueError, r"`bounds` must be a pair"),
+    "bounds_high_zero": (lambda: P.importance_weights(U, U, bounds=(None, 0.0)), ValueError, r"`bounds`"),
+    "reinforce_level": (
+        lambda: P.policy_loss(U, None, U, kind="reinforce", level="sequence"),
+        ValueError,
+        r"kind='reinforce' has none",
+    ),
+    "old_logprobs_needed": (lambda: P.policy_loss(U, None, U), ValueError, r"`old_logprobs` is needed"),
     "threshold": (lambda: P.off_policy_mask(U, U, U, threshold=-0.1), ValueError, r"`threshold` must be >= 0"),
     "policy_level": (lambda: P.policy_loss(U, U, U, level="seq"), ValueError, r"`level` must be one of 'token'"),
     "clip_fraction_clip": (lambda: P.clip_fraction(U, U, U, clip=(1.5, 0.2)), ValueError, r"`clip` must be"),

@@ -23,7 +23,8 @@ def bounds(name, value):
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
         raise ValueError(f"`{name}` must be a pair (low, high), either None; got {value!r}.")
     low, high = (None if v is None else check.number(name, v) for v in value)
-    if (low is not None and low < 0) or (high is not None and high < 0):
+    # 0 <= low < high holds for a high alone too: every ratio is >= 0, so a high of 0 keeps nothing.
+    if (low is not None and low < 0) or (high is not None and high <= 0):
         raise ValueError(f"`{name}` must be (low, high) with 0 <= low < high (either None); got {value!r}.")
     if low is not None and high is not None and not low < high:
         raise ValueError(f"`{name}` must be (low, high) with 0 <= low < high (either None); got {value!r}.")

@@ -235,15 +235,14 @@ def policy_loss(
     >>> round(float(P.policy_loss([0.405465], [0.0], [1.0])), 4)
     -1.2
     """
-    logprobs = backend.as_tensor(logprobs)
-    if old_logprobs is None:
-        if kind != "reinforce":
-            raise ValueError(f"`old_logprobs` is needed for kind={kind!r} (its ratio r); only 'reinforce' takes None.")
-    else:
-        old_logprobs = backend.as_tensor(old_logprobs)
-        check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
+    if old_logprobs is None and kind != "reinforce":
+        raise ValueError(f"`old_logprobs` is needed for kind={kind!r} (its ratio r); only 'reinforce' takes None.")
     if kind == "reinforce" and level != "token":
         raise ValueError(f"`level={level!r}` reads a ratio; kind='reinforce' has none: use level='token'.")
+    logprobs = backend.as_tensor(logprobs)
+    if old_logprobs is not None:
+        old_logprobs = backend.as_tensor(old_logprobs)
+        check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
     ratios.check_level_rank(level, len(logprobs.shape))
     advantages = backend.as_tensor(advantages)
     ratios.check_advantages(advantages, logprobs)
