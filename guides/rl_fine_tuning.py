@@ -348,6 +348,21 @@ if keras_hub is not None:
                 f"kl {logs.history['off_policy/kl'][0]:.4f}"
             )
     print(f"off-policy mean reward: {off_start:.3f} at the first step -> {rewards.mean():.3f} at the last")
+    # Truncated weights instead (TRL's `token_truncate`, verl's TIS): every token kept, its weight
+    # π_old/q capped at 2; pass them as `weights` and the loss mask as it is.
+    truncated, _ = P.importance_weights(
+        data["old_logprobs"],
+        data["sampler_logprobs"],
+        level="token",
+        mode="truncate",
+        bounds=(None, 2.0),
+        mask=data["mask"],
+    )
+    truncated = keras.ops.convert_to_numpy(truncated)[data["mask"] > 0]
+    print(
+        f"truncated token weights on the last batch: mean {truncated.mean():.3f}, "
+        f"at the cap {np.mean(truncated >= 2.0):.2f}, below 1 {np.mean(truncated < 1.0):.2f}"
+    )
 
 """
 At temperature 1.5 the sampler spreads its samples wider than the policy
@@ -359,7 +374,9 @@ the policy sharpens until even the hotter sampler's reward climbs (about
 unrewarded token the policy gives ½ of what the hot sampler does), the
 negative advantages they carried are lost, and here the reward stalls
 near 0.8; truncating instead (`mode="truncate"`, TRL's and verl's default
-shape) keeps them all, at bounded weights.
+shape) keeps them all, at bounded weights: the last line above gives those
+weights for the last batch (each token's π_old/q capped at 2; passed as
+`weights=` with the loss mask as it is, they replace the mask-mode pair).
 """
 
 """
