@@ -21,6 +21,8 @@ from scipy import special
 import keras_penalties
 from keras_penalties import CompositeObjective, Term, callbacks, gradients, losses, optimizers, regularizers
 from keras_penalties import ops as P
+from keras_penalties import terms as legacy_terms
+from keras_penalties.composite import weighting as rules
 from keras_penalties.distillation import Distiller, LogitsDivergence
 from tests import oracles as O
 from tests import rl_oracles
@@ -152,7 +154,26 @@ def test_loss_with_no_arguments_in_compile(name):
 
 # ------------------------------------------------------------------ composites
 
-WEIGHTINGS = [None, "uncertainty", "famo"]
+# By name, and as the rule objects at their defaults (a fresh one a model).
+WEIGHTINGS = [None, "uncertainty", "famo", "FixedWeights()", "Uncertainty()", "FAMO()", "get('famo')"]
+
+
+def _weighting_options(weighting):
+    if weighting is None:
+        return {}
+    if weighting == "get('famo')":
+        return {"weighting": rules.get("famo")}
+    if weighting.endswith("()"):
+        return {"weighting": getattr(rules, weighting[:-2])()}
+    return {"weighting": weighting}
+
+
+_covers(
+    "composite.weighting.FixedWeights",
+    "composite.weighting.Uncertainty",
+    "composite.weighting.FAMO",
+    "composite.weighting.get",
+)
 # Penalty names a CompositeLoss applies to (y_true, y_pred) and a
 # CompositeObjective to one activation, each with its default options.
 LOSS_TERMS = {
@@ -173,8 +194,7 @@ _covers("losses.CompositeLoss", "CompositeObjective", "Term")
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_composite_loss_with_penalty_names_only(weighting):
     model = _model("tanh", "softmax")
-    options = {} if weighting is None else {"weighting": weighting}
-    loss = losses.CompositeLoss({name: name for name in LOSS_TERMS}, **options)
+    loss = losses.CompositeLoss({name: name for name in LOSS_TERMS}, **_weighting_options(weighting))
     model.compile("adam", loss)
     _, logs = _fit_and_evaluate(model, y=Y_PROBS)
     _, probs = _numpy_forward(model, "tanh", "softmax")
@@ -183,7 +203,7 @@ def test_composite_loss_with_penalty_names_only(weighting):
     _, values = loss.compute(Y_PROBS, probs.astype("float32"))
     for name in LOSS_TERMS:
         np.testing.assert_allclose(to_numpy(values[name]), expected[name], rtol=2e-5, atol=1e-7, err_msg=name)
-    if weighting is None:
+    if weighting in (None, "FixedWeights()"):
         np.testing.assert_allclose(logs["loss"], sum(expected.values()), rtol=2e-5)
 
 
@@ -197,7 +217,7 @@ def _objective_model(**options):
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
 def test_composite_objective_with_penalty_names_only(weighting):
-    model = _objective_model(**({} if weighting is None else {"weighting": weighting}))
+    model = _objective_model(**_weighting_options(weighting))
     model.compile("adam", "mse")
     _, logs = _fit_and_evaluate(model)
     hidden, outputs = _numpy_forward(model, "tanh")
@@ -205,7 +225,7 @@ def test_composite_objective_with_penalty_names_only(weighting):
     values = model.get_layer("objective").running_values(training=False)
     for name in OBJECTIVE_TERMS:
         np.testing.assert_allclose(values[name], expected[name], rtol=2e-5, atol=1e-7, err_msg=name)
-    if weighting is None:
+    if weighting in (None, "FixedWeights()"):
         np.testing.assert_allclose(logs["loss"], np.mean((outputs - Y) ** 2) + sum(expected.values()), rtol=2e-5)
 
 
@@ -554,8 +574,24 @@ def test_parameter_probe_with_its_required_arguments():
 # ------------------------------------------------------------------ coverage
 
 
+def test_the_release_old_terms_module_with_names_only():
+    # keras_penalties.terms stays for a release: its helpers, called as 0.1.0 code calls them.
+    built = legacy_terms.build_terms({"l1": "l1", "l2": "l2"})
+    restored = legacy_terms.deserialize_terms(legacy_terms.serialize_terms(built))
+    total, values = CompositeObjective(restored).compute(X)
+    expected = {"l1": O.np_l1(X, "sum_over_batch_size"), "l2": O.np_l2(X, "sum_over_batch_size")}
+    for name, value in expected.items():
+        np.testing.assert_allclose(float(values[name]), value, rtol=2e-5, err_msg=name)
+    np.testing.assert_allclose(float(total), sum(expected.values()), rtol=2e-5)
+
+
+_covers("terms.Term", "terms.build_terms", "terms.serialize_terms", "terms.deserialize_terms")
+
+
 def _public_names():
     names = {name for name in keras_penalties.__all__ if name[0].isupper()}
+    names.update(f"terms.{name}" for name in legacy_terms.__all__)
+    names.update(f"composite.weighting.{name}" for name in ("FixedWeights", "Uncertainty", "FAMO", "get"))
     for module in (callbacks, losses, optimizers, regularizers):
         names.update(f"{module.__name__.split('.')[-1]}.{name}" for name in module.__all__)
     names.update(f"ops.{name}" for name in P.__all__)
