@@ -13,6 +13,16 @@ from keras import ops
 from keras_penalties import _keras_internals
 
 
+@contextlib.contextmanager
+def flag_set(flag):
+    """Within the block, the boolean ContextVar `flag` is True."""
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
 def norm(grads):
     """‖(g₁, g₂, …)‖₂ over all the tensors, in float32."""
     return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))

@@ -3,13 +3,13 @@ and `chunked_values` over logits formed from hidden states, and what they
 ask of a trace (whether XLA compiles it, whether a tape records an input).
 Used by `backend/tensorflow.py` only."""
 
-import contextlib
 import contextvars
 import functools
 
 import tensorflow as tf
 
 from keras_penalties._types import Head
+from keras_penalties.backend import _common
 
 from keras_penalties import _keras_internals
 from keras_penalties.backend._tensorflow_blocks import add_kernel_grad, in_blocks
@@ -51,13 +51,8 @@ def _recorded(tensor):
 in_chunk = contextvars.ContextVar("keras_penalties_tfin_chunk", default=False)
 
 
-@contextlib.contextmanager
 def chunk_body():
-    token = in_chunk.set(True)
-    try:
-        yield
-    finally:
-        in_chunk.reset(token)
+    return _common.flag_set(in_chunk)
 
 
 def _compiled(fn, xla):

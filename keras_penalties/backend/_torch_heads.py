@@ -3,13 +3,13 @@
 first-order functions of a chunk's logits that save eager torch passes over
 them (`soft_cap`, `label_logprobs`). Used by `backend/torch.py` only."""
 
-import contextlib
 import contextvars
 
 import keras
 import torch
 
 from keras_penalties._types import Head
+from keras_penalties.backend import _common
 
 
 def project(rows, kernel, transpose_kernel):
@@ -24,13 +24,8 @@ def project(rows, kernel, transpose_kernel):
 _in_chunk = contextvars.ContextVar("keras_penalties_torch_in_chunk", default=False)
 
 
-@contextlib.contextmanager
 def _chunk_body():
-    token = _in_chunk.set(True)
-    try:
-        yield
-    finally:
-        _in_chunk.reset(token)
+    return _common.flag_set(_in_chunk)
 
 
 class _SoftCap(torch.autograd.Function):
@@ -54,7 +49,7 @@ class _SoftCap(torch.autograd.Function):
 def soft_cap(logits, cap):
     """As `_common.soft_cap`; in a chunk loop, `_SoftCap` (first order)."""
     if not _in_chunk.get():
-        return torch.tanh(logits / cap) * cap
+        return _common.soft_cap(logits, cap)
     return _SoftCap.apply(logits, float(cap))
 
 

@@ -10,22 +10,18 @@ that computes alone) each process's values are its own, as
 `SyncBatchNorm`'s statistics are outside training.
 """
 
-import contextlib
 import contextvars
 
 import torch
 
+from keras_penalties.backend import _common
+
 _ONE_PROCESS = contextvars.ContextVar("keras_penalties_one_process", default=False)
 
 
-@contextlib.contextmanager
 def one_process():
     """Within the block, each process computes as if it were alone."""
-    token = _ONE_PROCESS.set(True)
-    try:
-        yield
-    finally:
-        _ONE_PROCESS.reset(token)
+    return _common.flag_set(_ONE_PROCESS)
 
 
 def replicas_in_sync():
