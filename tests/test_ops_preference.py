@@ -237,6 +237,11 @@ ERRORS = {
         ValueError,
         r"`chosen_mask` masks per-token",
     ),
+    "reference_per_token_beside_a_sequence": (
+        lambda: P.preference_loss(S[:, 0], S, S, S),
+        ValueError,
+        r"`ref_chosen_logprobs` is per token but `chosen_logprobs` is per sequence",
+    ),
     "reference_shape": (
         lambda: P.preference_loss(S, S, np.zeros((2, 4)), S),
         ValueError,

@@ -35,7 +35,7 @@ from keras_penalties.distillation._parts import (
 from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Direction, Divergence, Tensor, TensorLike
 from keras_penalties.ops import _reductions as reductions
-from keras_penalties.ops._tokens import _labels, fused_columns
+from keras_penalties.ops._tokens import fused_columns, weighted_labels
 from keras_penalties.ops.divergences import _js_values, _kl_values
 from keras_penalties.ops.heads import _cross_entropy_values
 
@@ -425,7 +425,7 @@ class Distiller(keras.distillation.Distiller):
             if len(w.shape) == len(student.shape) and w.shape[-1] == 1:  # [batch, tokens, 1], as Keras takes it
                 w = ops.squeeze(w, -1)
             w = ops.broadcast_to(ops.cast(w, "float32"), positions)
-            labels = _labels(y, student, len(student.shape) - 1, None, weights=w)  # 0 where the weight is
+            labels, w = weighted_labels(y, student, w)
             keys.append(("student", self.student_loss_weight))
             columns.append(lambda t, s, labels: _cross_entropy_values(s, labels=labels, **_PLAIN_CROSS_ENTROPY))
             weights.append(w / ops.cast(reductions.at_least_one(_positions(student)), "float32"))

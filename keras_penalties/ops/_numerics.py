@@ -24,6 +24,29 @@ def safe_log(x):
     return ops.log(ops.where(x > tiny, x, tiny))
 
 
+def clamp(x, low=None, high=None):
+    """`x` clamped into [low, high] (either None: no bound on that side),
+    written with `where`: the gradient is 0 beyond a bound and, at the
+    bound itself, the unclamped one, on every backend (`clip`, `minimum`
+    and `maximum` halve it at ties on JAX and torch)."""
+    if high is not None:
+        x = ops.where(x > high, ops.full_like(x, high), x)
+    if low is not None:
+        x = ops.where(x < low, ops.full_like(x, low), x)
+    return x
+
+
+# log(1 − e^x) is formed at x ≤ −1e-7: finite, value and gradient, as x → 0
+# (where 1 − e^x is a mass left over, or ORPO's odds).
+LOG_MASS_LIMIT = -1e-7
+
+
+def log1m_exp(x):
+    """log(1 − e^x) for x ≤ 0, as log(−expm1(x)) with x clamped at −1e-7
+    (about −16.1 there): finite in value and gradient up to x = 0."""
+    return ops.log(-ops.expm1(clamp(x, high=LOG_MASS_LIMIT)))
+
+
 def safe_norm(x, axis=None, keepdims=False):
     """Euclidean norm with a zero (not NaN) gradient where the norm is zero."""
     sq = ops.sum(ops.square(x), axis=axis, keepdims=keepdims)

@@ -5,6 +5,7 @@ the clamp before the exponential, and the checks of their options."""
 from keras import ops
 
 from keras_penalties import _validation as check
+from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 
 # The log-ratio's clamp before its exponential (verl's, TRL's): e^20 ≈ 4.9e8.
@@ -61,7 +62,7 @@ def sequence_mean(delta, mask):
 
 def exp_clamped(log):
     """exp(clamp(log, ±20)): finite at any log-ratio."""
-    return ops.exp(ops.clip(log, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    return ops.exp(num.clamp(log, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
 
 
 def policy_log_ratio(delta, mask, level):

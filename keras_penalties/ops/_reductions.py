@@ -125,6 +125,24 @@ def sample_mask(mask, x, axis, name="mask", boolean=True):
     return ops.cast(mask, "bool") if boolean else mask
 
 
+def fill_masked(x, mask, value=0, axis=None):
+    """`x` with `value` wherever `mask` (bool; None keeps all) drops a
+    position, before any math reads it: a masked position may hold anything
+    (inf, NaN, a sampler's -inf padding, a label of -100) and then changes
+    neither the value nor any gradient. (A `where` after the math keeps the
+    value, but its zero gradient times a NaN or an inf partial there is
+    NaN.) `mask` has x's leading shape, or x's shape without `axis`; the
+    axes it lacks are broadcast over."""
+    if mask is None:
+        return x
+    if axis is not None and len(mask.shape) < len(x.shape):
+        mask = ops.expand_dims(mask, axis)
+    while len(mask.shape) < len(x.shape):
+        mask = ops.expand_dims(mask, -1)
+    fill = ops.zeros_like(x) if value == 0 else ops.full_like(x, value)
+    return ops.where(mask, x, fill)
+
+
 def masked_reduce(values, mask, reduction):
     """`reduce` over the kept samples only: masked ones are 0 in the value and
     the gradient, and `"mean"` divides by the number kept (0 when none is).

@@ -90,16 +90,15 @@ class LinearLogits:
         return f"<LinearLogits hidden{tuple(self.hidden.shape)} @ {kernel}{tuple(self.kernel.shape)}{bias}{cap}>"
 
 
-def token_level(
-    values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None, weights=None
-):
+def token_level(values_fn, tensors, names, axis, reduction, mask, chunk_size, *, from_logits, labels=None):
     """`values_fn(*tensors, axis=axis[, labels=labels])`, the per-position
     values, reduced over the positions `mask` keeps (see `kl_divergence`).
 
     `tensors` are one or two class tensors (named `names` in errors), any of
-    them `LinearLogits`; `labels`, if given, has the per-position shape.
-    `weights` (not with `mask`; `reduction="sum"`): a float per position,
-    giving Σ weights·values (Keras' sample-weighted sum).
+    them `LinearLogits`; `labels`, if given, has the per-position shape, and
+    a negative label masks its position (see `label_mask`). A masked
+    position's inputs may hold anything: they are filled before any math
+    (logits and probabilities with 1, hidden states with 0).
     """
     lazy = [isinstance(t, LinearLogits) for t in tensors]
     if any(lazy):
@@ -119,21 +118,19 @@ def token_level(
             f"the kernel's outputs, last; got axis={axis} for logits of rank {rank}."
         )
     mask = reductions.sample_mask(mask, tensors[0], axis)
-    if weights is not None:
-        weights = ops.cast(reductions.sample_mask(weights, tensors[0], axis, "weights", boolean=False), compute)
+    beyond = None
     if labels is not None:
-        labels = _labels(labels, tensors[0], axis, mask, weights)
+        labels, mask, beyond = label_mask(labels, tensors[0], axis, mask)
+    tensors = [_filled(t, mask, axis) for t in tensors]
     if any(lazy) and chunk_size is not None:
         if reduction in ("mean", "sum"):
-            total = _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute)
-            return dtypes.from_compute(total, dtype)
+            total = _fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute)
+            return dtypes.from_compute(_poisoned_total(total, beyond), dtype)
         values = _fused_values(values_fn, tensors, labels, chunk_size, compute)
-        return dtypes.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
-    tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
-    values = chunks.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
-    if weights is not None:
-        return dtypes.from_compute(ops.sum(values * weights), dtype)
-    return dtypes.from_compute(reductions.masked_reduce(values, mask, reduction), dtype)
+    else:
+        tensors = [t.materialise(compute) if is_lazy else t for t, is_lazy in zip(tensors, lazy)]
+        values = chunks.per_sample(values_fn, tensors, axis, compute, chunk_size, labels=labels)
+    return dtypes.from_compute(reductions.masked_reduce(_poisoned(values, beyond), mask, reduction), dtype)
 
 
 def _check_lazy(names, lazy, from_logits):
@@ -142,30 +139,83 @@ def _check_lazy(names, lazy, from_logits):
         raise ValueError(f"`{name}` is ops.linear(...) logits: pass `from_logits=True`.")
 
 
-def _labels(labels, like, axis, mask, weights=None):
-    """`labels` as int32 of the per-position shape of `like`; 0 where `mask`
-    drops a position or `weights` is 0 (padding labels such as -100 never
-    index a class: TF's fused cross-entropy in a head chunk rejects them)."""
+def _filled(t, mask, axis):
+    """A class tensor with its masked positions filled before any math:
+    logits or probabilities with 1 (finite either way), the hidden states of
+    lazy logits with 0 (a NaN there would reach the kernel's gradient)."""
+    if isinstance(t, LinearLogits):
+        hidden = reductions.fill_masked(t.hidden, mask)
+        return t if hidden is t.hidden else LinearLogits(hidden, t.kernel, t.bias, t.transpose_kernel, t.soft_cap)
+    return reductions.fill_masked(t, mask, 1, axis=axis)
+
+
+def _classes(like, axis):
+    """The number of classes of logits `like` (or `LinearLogits`) along
+    `axis`: an int, or a tensor where known only at run time."""
+    classes = like.classes if isinstance(like, LinearLogits) else like.shape[axis]
+    if isinstance(classes, int):
+        return classes
+    return (
+        ops.shape(like.kernel)[0 if like.transpose_kernel else 1]
+        if isinstance(like, LinearLogits)
+        else ops.shape(like)[axis]
+    )
+
+
+def label_mask(labels, like, axis, mask, several=False):
+    """Integer labels for logits `like` as the ops read them, with the mask
+    they imply: `(labels, mask, beyond)`.
+
+    A negative label (Hugging Face's -100) marks its position as masked: M
+    is 0 there for the values, the gradients and the counts of the means.
+    `beyond` flags the kept positions whose label is ≥ V: their values are
+    NaN (`_poisoned`), on every backend. The labels returned are int32, 0
+    where masked or beyond (never an index outside [0, V), which TF's fused
+    cross-entropy rejects and torch wraps). `labels` has `like`'s shape
+    without `axis`, or with `several`, K ids a position after that (any
+    negative one masks the position)."""
     labels = ops.convert_to_tensor(labels)
     expected, got = reductions.without_axis(like.shape, axis), tuple(labels.shape)
-    if reductions.shapes_differ(got, expected):
-        raise ValueError(
-            f"`labels` must have the logits' shape without the class axis, {expected} (one class "
-            f"index per position); got {got}."
-        )
+    if reductions.shapes_differ(got[: len(expected)], expected) or len(got) != len(expected) + several:
+        ids = " plus K ids a position" if several else " (one class index per position)"
+        raise ValueError(f"`labels` must have the logits' shape without the class axis, {expected}{ids}; got {got}.")
     labels = ops.cast(labels, "int32")
-    if mask is not None:
-        labels = ops.where(mask, labels, ops.zeros_like(labels))
-    if weights is not None:
-        labels = ops.where(ops.not_equal(weights, 0), labels, ops.zeros_like(labels))
-    return labels
+    negative = labels < 0
+    kept = ops.logical_not(ops.any(negative, axis=-1) if several else negative)
+    mask = kept if mask is None else ops.logical_and(mask, kept)
+    read = ops.expand_dims(mask, -1) if several else mask
+    beyond = ops.logical_and(read, labels >= _classes(like, axis))
+    valid = ops.logical_and(read, ops.logical_not(beyond))
+    return ops.where(valid, labels, ops.zeros_like(labels)), mask, beyond
 
 
-def _row_weights(mask, weights, reduction, n, compute):
-    """Each row's weight in the reduced total: `weights` if given, else kept
-    (1) or masked (0), over the number kept for `"mean"` (0 when none is)."""
-    if weights is not None:
-        return ops.reshape(weights, (-1,))
+def _poisoned(values, beyond):
+    """`values` with NaN where `beyond` flags a label ≥ V."""
+    if beyond is None:
+        return values
+    return ops.where(beyond, ops.full_like(values, float("nan")), values)
+
+
+def _poisoned_total(total, beyond):
+    """A reduced total, NaN where any kept label is ≥ V."""
+    if beyond is None:
+        return total
+    return ops.where(ops.any(beyond), ops.full_like(total, float("nan")), total)
+
+
+def weighted_labels(labels, like, weights):
+    """Labels for logits `like` (classes last) and their per-position
+    `weights` (Keras' sample weights), as the Distiller's fused student loss
+    reads them: `(labels, weights)`, the weight 0 where a label is negative
+    or the weight is 0 (such a label is read as 0: padding labels such as
+    -100 never index a class), NaN where a kept label is ≥ V."""
+    labels, mask, beyond = label_mask(labels, like, len(like.shape) - 1, ops.not_equal(weights, 0))
+    return labels, _poisoned(reductions.fill_masked(weights, mask), beyond)
+
+
+def _row_weights(mask, reduction, n, compute):
+    """Each row's weight in the reduced total: kept (1) or masked (0), over
+    the number kept for `"mean"` (0 when none is)."""
     if mask is None:
         weights, kept = ops.ones((n,), compute), n
     else:
@@ -212,12 +262,12 @@ def _fused_parts(values_fn, tensors, labels, chunk_size):
     return values, rows, heads, n, chunk_size
 
 
-def _fused_total(values_fn, tensors, labels, mask, weights, reduction, chunk_size, compute):
+def _fused_total(values_fn, tensors, labels, mask, reduction, chunk_size, compute):
     """The reduced total (`"mean"`, `"sum"`) with lazy logits formed one
     chunk at a time, each chunk's gradient formed with its value."""
     values, rows, heads, n, chunk_size = _fused_parts(values_fn, tensors, labels, chunk_size)
     # Padding rows weigh 0: none adds to the total.
-    weights = chunks.padded_rows(_row_weights(mask, weights, reduction, n, compute), n, chunk_size, 0)
+    weights = chunks.padded_rows(_row_weights(mask, reduction, n, compute), n, chunk_size, 0)
     return backend.chunked_sum(values, rows, heads, weights, chunk_size, compute)[0]
 
 
@@ -267,39 +317,41 @@ def _fused_values(values_fn, tensors, labels, chunk_size, compute):
     return ops.reshape(chunks.unpadded_rows(flat, n, chunk_size), tuple(ops.shape(like)[:-1]))
 
 
-def token_columns(values_fn, logits, labels, mask, chunk_size, what):
+def token_columns(values_fn, logits, labels, mask, chunk_size, several, extra):
     """Several values a position from one class tensor (logits, or lazy
     `LinearLogits`): `values_fn(logits, labels=...)` gives [rows, k] from
-    [rows, classes] logits and the rows' labels; returned as the positions'
-    shape + (k,), 0 where `mask` drops a position (no gradient there), in
-    the logits' dtype. With `chunk_size` the rows are taken a chunk at a
-    time (`backend.chunked_values`): lazy logits are formed a chunk at a
-    time, forward and again in the backward pass, formed ones only read.
-    `labels` has the positions' shape plus `what` trailing axes (0 or 1)."""
+    [rows, classes] logits and the rows' labels ([rows], or [rows, K] with
+    `several`): a value for each label, then `extra` more (an entropy).
+    Returned as the positions' shape + (k,), in the logits' dtype, 0 where
+    `mask` or a negative label drops a position (no gradient there, whatever
+    its inputs hold), NaN at a label ≥ V (`label_mask`). With `chunk_size`
+    the rows are taken a chunk at a time (`backend.chunked_values`): lazy
+    logits are formed a chunk at a time, forward and again in the backward
+    pass, formed ones only read."""
     lazy = isinstance(logits, LinearLogits)
     logits = logits if lazy else backend.as_tensor(logits)
     parts = logits.parts() if lazy else [logits]
     compute, dtype = dtypes.dtype_pair(parts)
     check.check_rank("logits", logits, 1, num.DISTRIBUTION_AXIS)
-    positions = tuple(logits.shape[:-1])
     mask = reductions.sample_mask(mask, logits, len(logits.shape) - 1)
-    labels = ops.cast(ops.convert_to_tensor(labels), "int32")
-    got = tuple(labels.shape)
-    if reductions.shapes_differ(got[: len(got) - what], positions) or len(got) != len(positions) + what:
-        trailing = " plus K ids a position" if what else ""
-        raise ValueError(f"`labels` must have the logits' shape without the class axis{trailing}; got {got}.")
-    if mask is not None:
-        kept = mask if not what else ops.expand_dims(mask, -1)
-        labels = ops.where(kept, labels, ops.zeros_like(labels))
+    labels, mask, beyond = label_mask(labels, logits, len(logits.shape) - 1, mask, several)
+    logits = _filled(logits, mask, -1)
     if chunk_size is None:
         formed = logits.materialise(compute) if lazy else ops.cast(logits, compute)
         flat = ops.reshape(formed, (-1, ops.shape(formed)[-1]))
-        flat_labels = ops.reshape(labels, (-1,) + tuple(labels.shape[len(positions) :]))
+        flat_labels = ops.reshape(labels, (-1,) + tuple(labels.shape[len(labels.shape) - several :]))
         values = values_fn(flat, labels=flat_labels)
     else:
         fn, rows, heads, n, chunk_size = _fused_parts(values_fn, [logits], labels, chunk_size)
         values = chunks.unpadded_rows(backend.chunked_values(fn, rows, heads, chunk_size, compute), n, chunk_size)
-    values = ops.reshape(values, tuple(ops.shape(parts[0])[:-1]) + (-1,))
-    if mask is not None:
-        values = ops.where(ops.expand_dims(mask, -1), values, ops.zeros_like(values))
-    return dtypes.from_compute(values, dtype)
+    # The number of columns stays static where the labels' is (a [..., K]
+    # reshape to -1 loses it under tf.function).
+    per_label = labels.shape[-1] if several else 1
+    width = per_label + extra if isinstance(per_label, int) else -1
+    values = ops.reshape(values, tuple(ops.shape(parts[0])[:-1]) + (width,))
+    values = reductions.fill_masked(values, mask)
+    if not several:
+        beyond = ops.expand_dims(beyond, -1)
+    if extra:  # an entropy reads no label
+        beyond = ops.concatenate([beyond, ops.zeros_like(beyond[..., :extra])], axis=-1)
+    return dtypes.from_compute(_poisoned(values, beyond), dtype)

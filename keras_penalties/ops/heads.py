@@ -246,7 +246,7 @@ def token_logprobs(
         )
         return ops.negative(values)
     columns = functools.partial(_logprob_columns, temperature=temperature, entropy=return_entropy, several=several)
-    values = token_columns(columns, logits, ids, mask, chunk_size, 1 if several else 0)
+    values = token_columns(columns, logits, ids, mask, chunk_size, several, int(return_entropy))
     logprobs = values[..., :-1] if return_entropy else values
     if not several:
         logprobs = logprobs[..., 0]

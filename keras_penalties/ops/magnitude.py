@@ -89,7 +89,7 @@ def l2(
     elif center is not None and center != 0.0:
         x = x - center
     if clip is not None:
-        x = ops.clip(x, -clip, clip)
+        x = num.clamp(x, -clip, clip)
     if reduction == "none":
         return dtypes.from_compute(ops.square(x), dtype)
     return dtypes.from_compute(reductions.scale_sum(backend.sum_of_squares(x), x, reduction), dtype)

@@ -20,6 +20,7 @@ from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Bounds, ImportanceLevel, ImportanceMode, PolicyLevel, Tensor, TensorLike
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _ratios as ratios
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops.policy import POLICY_LEVELS, ratio_clip
@@ -112,7 +113,7 @@ def importance_weights(
     low, high = bounds
     kept = _kept(mask, rho)
     if mode == "truncate":
-        weights = ops.clip(rho, 0.0 if low is None else low, float("inf") if high is None else high)
+        weights = num.clamp(rho, low, high)
     else:
         weights = rho
         if low is not None:

@@ -10,6 +10,7 @@ input's dtype. `mask` selects the tokens that count, and `reduction` is
 [batch, tokens] values `"sequence_mean"` / `"sequence_sum"`.
 """
 
+import functools
 from typing import get_args
 
 from keras import ops
@@ -18,6 +19,7 @@ from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Estimator, PolicyLevel, PolicyLoss, Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _ratios as ratios
 from keras_penalties.ops import _reductions as reductions
 
@@ -139,9 +141,11 @@ def kl_estimate(
         check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
+    # A masked token may hold anything (a reference padded with -inf).
+    logprobs, ref_logprobs = (reductions.fill_masked(t, mask) for t in (logprobs, ref_logprobs))
     logprobs = dtypes.cast_to(logprobs, compute)
-    # A masked token's d may be anything (a reference padded with -inf): 0
-    # there keeps its exponential, and so the gradient, finite.
+    if old_logprobs is not None:
+        old_logprobs = reductions.fill_masked(old_logprobs, mask)
     d = ratios.log_ratio(logprobs, ref_logprobs, mask)
     kind = estimator.rstrip("+")
     if kind == "k1":
@@ -156,7 +160,7 @@ def kl_estimate(
         k2 = 0.5 * ops.square(d)
         value = k2 - ops.stop_gradient(k2) + ops.stop_gradient(value)
     if clip is not None:
-        value = ops.clip(value, clip[0], clip[1])
+        value = num.clamp(value, clip[0], clip[1])
     if old_logprobs is not None:
         value = value * ratios.exp_clamped(ratios.log_ratio(logprobs, old_logprobs, mask))
     return dtypes.from_compute(reductions.masked_reduce(value, mask, reduction), dtype)
@@ -248,9 +252,14 @@ def policy_loss(
     ratios.check_advantages(advantages, logprobs)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
-    weights = _token_weights(weights, logprobs, compute)
-    logprobs = dtypes.cast_to(logprobs, compute)
-    a = ratios.broadcast_advantages(advantages, logprobs, compute)
+    # A masked token may hold anything, in every input (importance weights
+    # from a sampler's -inf padding): a sequence ratio's gradient reaches
+    # every token of its sequence.
+    fill = functools.partial(reductions.fill_masked, mask=mask)
+    weights = None if weights is None else fill(_token_weights(weights, logprobs, compute))
+    logprobs = fill(dtypes.cast_to(logprobs, compute))
+    old_logprobs = None if old_logprobs is None else fill(old_logprobs)
+    a = fill(ratios.broadcast_advantages(advantages, logprobs, compute))
     if kind == "reinforce":
         loss = -a * logprobs
     else:
@@ -260,7 +269,7 @@ def policy_loss(
         if kind == "importance_sampling":
             loss = -ratio * a
         elif kind == "ppo":
-            loss = ops.maximum(-ratio * a, -ops.clip(ratio, 1.0 - low, 1.0 + high) * a)
+            loss = ops.maximum(-ratio * a, -num.clamp(ratio, 1.0 - low, 1.0 + high) * a)
             if dual_clip is not None:
                 loss = ops.where(a < 0, ops.minimum(loss, -dual_clip * a), loss)
         else:

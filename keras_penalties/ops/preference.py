@@ -20,6 +20,7 @@ from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import PreferenceKind, PreferenceStatistic, Reduction, Tensor, TensorLike
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 
 PREFERENCE_KINDS = get_args(PreferenceKind)
@@ -28,8 +29,6 @@ PREFERENCE_STATISTICS = get_args(PreferenceStatistic)
 _MEAN_KINDS = ("ipo", "simpo", "orpo")
 # The kinds with no reference model.
 _REFERENCE_FREE = ("simpo", "orpo")
-# log(1 − e^x) is formed at x ≤ −1e-7: finite, value and gradient, as x → 0.
-_LOG_MASS_LIMIT = -1e-7
 
 
 def _sides(chosen, rejected, refs, masks):
@@ -52,9 +51,14 @@ def _sides(chosen, rejected, refs, masks):
         if mask is not None and len(like.shape) != 2:
             raise ValueError(f"`{name}` masks per-token log-probabilities; `{names[side]}` is per sequence.")
         bools.append(reductions.sample_mask(mask, like, None, name))
-        for ref in (tensors[side + 2],):
-            if ref is not None and len(ref.shape) == 2 and len(like.shape) == 2:
-                check.check_same_shape((names[side], names[side + 2]), like, ref)
+        ref = tensors[side + 2]
+        if ref is not None and len(ref.shape) == 2:
+            if len(like.shape) != 2:
+                raise ValueError(
+                    f"`{names[side + 2]}` is per token but `{names[side]}` is per sequence: its tokens (padding "
+                    f"included) would be summed with no mask; give it per sequence ([batch]), or both per token."
+                )
+            check.check_same_shape((names[side], names[side + 2]), like, ref)
     return tensors, bools
 
 
@@ -69,11 +73,6 @@ def _sequence(values, mask, mean, compute):
     total = ops.sum(ops.where(kept > 0, values, ops.zeros_like(values)), axis=1)
     count = ops.sum(kept, axis=1)
     return (total / ops.maximum(count, 1.0) if mean else total), count > 0
-
-
-def _log1m_exp(x):
-    """log(1 − e^x) for x ≤ 0, formed at x ≤ −1e-7 (ORPO's odds)."""
-    return ops.log(-ops.expm1(ops.minimum(x, _LOG_MASS_LIMIT)))
 
 
 def _pairs(chosen, rejected, refs, masks, kind):
@@ -127,7 +126,7 @@ def _pair_losses(kind, c, r, c_ref, r_ref, beta, epsilon, gamma):
         margin = beta * (c - r)
         return -(1.0 - epsilon) * log_sigmoid(margin - gamma) - epsilon * log_sigmoid(gamma - margin)
     # "orpo": the odds ratio's term; its NLL on the chosen is a cross_entropy term beside it.
-    return -beta * log_sigmoid((c - r) - (_log1m_exp(c) - _log1m_exp(r)))
+    return -beta * log_sigmoid((c - r) - (num.log1m_exp(c) - num.log1m_exp(r)))
 
 
 def _over_pairs(values, valid, reduction):

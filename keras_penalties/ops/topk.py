@@ -8,11 +8,8 @@ from keras_penalties import _validation as check
 from keras_penalties import backend
 from keras_penalties._types import Tensor, TensorLike, TokenReduction
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
-
-# log(1 − e^x) is formed at x ≤ −1e-7: finite, value and gradient, when the
-# K ids hold (nearly) all the mass.
-_LOG_MASS_LIMIT = -1e-7
 
 
 def _log_rest(logprobs):
@@ -20,8 +17,15 @@ def _log_rest(logprobs):
     ids, −expm1(logsumexp(l)), 0 where they hold all of it; its log formed
     at logsumexp(l) ≤ −1e-7 (finite there, about −16.1)."""
     total = ops.logsumexp(logprobs, axis=-1)
-    rest = ops.maximum(-ops.expm1(total), 0.0)
-    return rest, ops.log(-ops.expm1(ops.minimum(total, _LOG_MASS_LIMIT)))
+    return num.clamp(-ops.expm1(total), low=0.0), num.log1m_exp(total)
+
+
+def _plogp_ratio(t, s):
+    """Σ_k p_k (t_k − s_k), p = e^t, with 0·log 0 = 0: an id the teacher
+    gives probability 0 (t = −inf) adds 0, not NaN, in the value and the
+    gradient."""
+    p = ops.exp(t)
+    return ops.sum(ops.where(p > 0, p * (reductions.fill_masked(t, p > 0) - s), ops.zeros_like(p)), axis=-1)
 
 
 @check.options(tensors=("mask",), tail=check.boolean, reduction=check.TOKEN_REDUCTION)
@@ -78,9 +82,10 @@ def topk_kl(
     check.check_sequence_rank(reduction, rank, "the positions (every axis but K)")
     mask = reductions.sample_mask(mask, student, rank)
     compute, dtype = dtypes.dtype_pair([student])
-    t = ops.stop_gradient(ops.cast(teacher, compute))
-    s = dtypes.cast_to(student, compute)
-    values = ops.sum(ops.exp(t) * (t - s), axis=-1)
+    # A masked position may hold anything (a row padded with -inf).
+    t = ops.stop_gradient(reductions.fill_masked(ops.cast(teacher, compute), mask))
+    s = reductions.fill_masked(dtypes.cast_to(student, compute), mask)
+    values = _plogp_ratio(t, s)
     if tail:
         p_rest, log_p_rest = _log_rest(t)
         _, log_q_rest = _log_rest(s)

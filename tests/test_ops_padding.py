@@ -1,0 +1,365 @@
+"""A masked position may hold anything: every public op that takes a mask
+(or labels, whose negative ids mask) gives the same value and the same
+gradient of every differentiable input whether its padding holds zeros or
+inf, -inf, NaN, -100 or an id past the vocabulary — in every tensor input
+(log-probabilities, references, weights, advantages, labels, logits, the
+hidden states of padding tokens). Checked eagerly, and in a compiled `fit`,
+which must train the garbage-padded batch to the weights of the clean one.
+
+The oracle is the op itself on the clean batch: what is checked is that
+padding changes nothing (each op's numbers are checked against NumPy and
+its peers in its own test file).
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_penalties import ops as P
+from tests.testing import grads, to_numpy
+
+RNG = np.random.default_rng(65)
+B, T, V, H, K = 4, 5, 7, 3, 3
+# Kept tokens: one full sequence, one right-padded, one with a hole, one
+# kept nowhere (its per-sequence inputs are padding too).
+MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
+CHOSEN_MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
+REJECTED_MASK = np.array([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
+SEQUENCES = MASK.any(axis=1)
+
+
+def _logprobs(scale=1.0):
+    return (-RNG.uniform(0.05, 3.0, size=(B, T)) * scale).astype("float32")
+
+
+# Each input: its clean values and where it is padding (the positions its
+# mask drops; trailing axes broadcast).
+INPUTS = {
+    "logprobs": (_logprobs(), MASK),
+    "ref": (_logprobs(), MASK),
+    "old": (_logprobs(), MASK),
+    "advantages": (RNG.normal(size=(B, T)).astype("float32"), MASK),
+    "sequence_advantages": (RNG.normal(size=(B,)).astype("float32"), SEQUENCES),
+    "weights": (RNG.uniform(0.5, 2.0, size=(B, T)).astype("float32"), MASK),
+    "sequence_weights": (RNG.uniform(0.5, 2.0, size=(B,)).astype("float32"), SEQUENCES),
+    "p": (RNG.normal(scale=2.0, size=(B, T, V)).astype("float32"), MASK),
+    "q": (RNG.normal(scale=2.0, size=(B, T, V)).astype("float32"), MASK),
+    "probs": (RNG.dirichlet(np.ones(V), size=(B, T)).astype("float32"), MASK),
+    "other_probs": (RNG.dirichlet(np.ones(V), size=(B, T)).astype("float32"), MASK),
+    "hidden": (RNG.normal(size=(B, T, H)).astype("float32"), MASK),
+    "labels": (RNG.integers(0, V, size=(B, T)).astype("int32"), MASK),
+    "topk_labels": (RNG.integers(0, V, size=(B, T, K)).astype("int32"), MASK),
+    "teacher_topk": (np.log(RNG.dirichlet(np.ones(K + 1), size=(B, T))[..., :K]).astype("float32"), MASK),
+    "student_topk": (np.log(RNG.dirichlet(np.ones(K + 1), size=(B, T))[..., :K]).astype("float32"), MASK),
+    "values": (RNG.normal(size=(B, T)).astype("float32"), MASK),
+    "chosen": (_logprobs(0.3), CHOSEN_MASK),
+    "rejected": (_logprobs(0.3), REJECTED_MASK),
+    "ref_chosen": (_logprobs(0.3), CHOSEN_MASK),
+    "ref_rejected": (_logprobs(0.3), REJECTED_MASK),
+}
+KERNEL = RNG.normal(scale=0.8, size=(H, V)).astype("float32")
+BIAS = RNG.normal(size=(V,)).astype("float32")
+# What padding holds: the float inputs' garbage and the labels' (an id past
+# the vocabulary; -100 masks a position by itself, see below).
+GARBAGE = {"inf": (np.inf, V + 3), "-inf": (-np.inf, 10**6), "nan": (np.nan, V)}
+
+
+def _padded(name, garbage):
+    clean, kept = INPUTS[name]
+    kept = kept.reshape(kept.shape + (1,) * (clean.ndim - kept.ndim))
+    bad = GARBAGE[garbage][1 if clean.dtype.kind == "i" else 0]
+    return np.where(kept, clean, np.asarray(bad, clean.dtype))
+
+
+def _linear(hidden, kernel):
+    return P.linear(hidden, kernel, BIAS)
+
+
+# name -> (the op on its inputs (tensors by name), the inputs it reads,
+# the differentiable ones among them). Masks are given as data: MASK, or
+# each preference side's.
+M, CM, RM = MASK.astype("float32"), CHOSEN_MASK.astype("float32"), REJECTED_MASK.astype("float32")
+CASES = {
+    "kl_divergence": (lambda p, q: P.kl_divergence(p, q, from_logits=True, mask=M), ("p", "q"), ("p", "q")),
+    "kl_divergence/probs": (
+        lambda probs, other_probs: P.kl_divergence(probs, other_probs, direction="symmetric", mask=M),
+        ("probs", "other_probs"),
+        ("probs", "other_probs"),
+    ),
+    "js_divergence/probs": (
+        lambda probs, other_probs: P.js_divergence(probs, other_probs, temperature=2.0, mask=M),
+        ("probs", "other_probs"),
+        ("probs", "other_probs"),
+    ),
+    "kl_divergence/linear": (
+        lambda p, hidden, kernel: P.kl_divergence(p, _linear(hidden, kernel), from_logits=True, mask=M, chunk_size=4),
+        ("p", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "js_divergence": (lambda p, q: P.js_divergence(p, q, from_logits=True, mask=M), ("p", "q"), ("p", "q")),
+    "entropy": (lambda q: P.entropy(q, from_logits=True, mask=M, reduction="sequence_mean"), ("q",), ("q",)),
+    "cross_entropy": (lambda labels, q: P.cross_entropy(labels, q, mask=M), ("labels", "q"), ("q",)),
+    "cross_entropy/linear": (
+        lambda labels, hidden, kernel: P.cross_entropy(labels, _linear(hidden, kernel), mask=M, chunk_size=4),
+        ("labels", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "token_logprobs": (
+        lambda labels, q: P.token_logprobs(labels, q, mask=M, return_entropy=True),
+        ("labels", "q"),
+        ("q",),
+    ),
+    "token_logprobs/linear": (
+        lambda labels, hidden, kernel: P.token_logprobs(labels, _linear(hidden, kernel), mask=M, chunk_size=4),
+        ("labels", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "token_logprobs/topk_linear": (
+        lambda topk_labels, hidden, kernel: P.token_logprobs(
+            topk_labels, _linear(hidden, kernel), mask=M, chunk_size=4, return_entropy=True
+        ),
+        ("topk_labels", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "kl_estimate": (
+        lambda logprobs, ref, old: P.kl_estimate(logprobs, ref, estimator="k3+", old_logprobs=old, mask=M),
+        ("logprobs", "ref", "old"),
+        ("logprobs",),
+    ),
+    "topk_kl": (
+        lambda teacher_topk, student_topk: P.topk_kl(teacher_topk, student_topk, mask=M),
+        ("teacher_topk", "student_topk"),
+        ("student_topk",),
+    ),
+    "topk_kl/no_tail": (
+        lambda teacher_topk, student_topk: P.topk_kl(teacher_topk, student_topk, tail=False, mask=M),
+        ("teacher_topk", "student_topk"),
+        ("student_topk",),
+    ),
+    "importance_weights": (
+        lambda logprobs, old: P.importance_weights(logprobs, old, level="geometric", mode="mask", mask=M),
+        ("logprobs", "old"),
+        (),
+    ),
+    "off_policy_mask": (
+        lambda logprobs, old, advantages: P.off_policy_mask(logprobs, old, advantages, threshold=0.1, mask=M),
+        ("logprobs", "old", "advantages"),
+        (),
+    ),
+    "clip_fraction": (
+        lambda logprobs, old, sequence_advantages: P.clip_fraction(
+            logprobs, old, sequence_advantages, level="sequence", mask=M
+        ),
+        ("logprobs", "old", "sequence_advantages"),
+        (),
+    ),
+    "discounted_cumsum": (lambda values: P.discounted_cumsum(values, 0.9, mask=M), ("values",), ("values",)),
+    "preference_reward": (
+        lambda chosen, rejected, ref_chosen, ref_rejected: P.preference_reward(
+            chosen, rejected, ref_chosen, ref_rejected, chosen_mask=CM, rejected_mask=RM
+        ),
+        ("chosen", "rejected", "ref_chosen", "ref_rejected"),
+        (),
+    ),
+}
+for _kind in ("reinforce", "importance_sampling", "ppo", "cispo"):
+    for _level in ("token", "sequence", "sequence_token") if _kind != "reinforce" else ("token",):
+        for _advantages, _weights in (("advantages", "weights"), ("sequence_advantages", "sequence_weights")):
+            CASES[f"policy_loss/{_kind}/{_level}/{_advantages}"] = (
+                lambda logprobs, old, a, w, kind=_kind, level=_level: P.policy_loss(
+                    logprobs, None if kind == "reinforce" else old, a, kind=kind, level=level, weights=w, mask=M
+                ),
+                ("logprobs", "old", _advantages, _weights),
+                ("logprobs",),
+            )
+for _kind in ("sigmoid", "ipo", "nca_pair", "simpo", "orpo"):
+    _free = _kind in ("simpo", "orpo")
+    CASES[f"preference_loss/{_kind}"] = (
+        lambda chosen, rejected, *refs, kind=_kind: P.preference_loss(
+            chosen, rejected, *refs, kind=kind, chosen_mask=CM, rejected_mask=RM
+        ),
+        ("chosen", "rejected") + (() if _free else ("ref_chosen", "ref_rejected")),
+        ("chosen", "rejected"),
+    )
+
+
+def _inputs(names, garbage=None):
+    """The case's inputs as NumPy arrays, padded with `garbage` (or clean)."""
+    return [KERNEL if name == "kernel" else (_padded(name, garbage) if garbage else INPUTS[name][0]) for name in names]
+
+
+def _flat(outputs):
+    """An op's outputs (a tensor, a pair, a dict) as a list of float32 arrays."""
+    if isinstance(outputs, dict):
+        outputs = [outputs[k] for k in sorted(outputs)]
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    return [to_numpy(ops.cast(o, "float32")) for o in outputs]
+
+
+def _scalar(outputs):
+    """A differentiable scalar of an op's float outputs (Σ, in float32)."""
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    floats = [o for o in outputs if "float" in keras.backend.standardize_dtype(o.dtype)]
+    return sum(ops.sum(ops.cast(o, "float32")) for o in floats)
+
+
+def test_every_public_op_that_takes_a_mask_or_labels_is_checked_here():
+    takes = {
+        name
+        for name in P.__all__
+        if callable(getattr(P, name))
+        and not inspect.isclass(getattr(P, name))
+        and any("mask" in p or p == "labels" for p in inspect.signature(getattr(P, name)).parameters)
+    }
+    checked = {name.split("/")[0] for name in CASES}
+    assert takes <= checked, f"ops with a mask and no padding check here: {sorted(takes - checked)}"
+
+
+@pytest.mark.parametrize("garbage", sorted(GARBAGE))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padding_changes_neither_value_nor_gradient(name, garbage):
+    call, names, differentiable = CASES[name]
+    clean, padded = _inputs(names), _inputs(names, garbage)
+    for got, expected in zip(_flat(call(*padded)), _flat(call(*clean))):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    if not differentiable:
+        return
+    at = [names.index(n) for n in differentiable]
+
+    def scalar(*xs, inputs):
+        inputs = list(inputs)
+        for i, x in zip(at, xs):
+            inputs[i] = x
+        return _scalar(call(*inputs))
+
+    expected = grads(lambda *xs: scalar(*xs, inputs=clean), *[clean[i] for i in at])
+    got = grads(lambda *xs: scalar(*xs, inputs=padded), *[padded[i] for i in at])
+    for n, g, e in zip(differentiable, got, expected):
+        assert np.isfinite(g).all(), f"{n}'s gradient is not finite: {g}"
+        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=n)
+
+
+# ------------------------------------------------------------------ labels
+
+
+def test_negative_labels_mask_their_positions_in_every_op_that_takes_labels():
+    labels = np.where(MASK, INPUTS["labels"][0], -100)
+    topk = np.where(MASK[..., None], INPUTS["topk_labels"][0], -100)
+    q, hidden = INPUTS["q"][0], INPUTS["hidden"][0]
+    for chunk_size in (None, 4):
+        logits = [q, _linear(hidden, KERNEL)] if chunk_size else [q]
+        for z in logits:
+            for reduction in ("mean", "sum", "none", "sequence_mean"):
+                np.testing.assert_allclose(
+                    to_numpy(P.cross_entropy(labels, z, reduction=reduction, chunk_size=chunk_size)),
+                    to_numpy(
+                        P.cross_entropy(INPUTS["labels"][0], z, mask=M, reduction=reduction, chunk_size=chunk_size)
+                    ),
+                    rtol=1e-6,
+                )
+            for ids, expected_ids in ((labels, INPUTS["labels"][0]), (topk, INPUTS["topk_labels"][0])):
+                got = P.token_logprobs(ids, z, chunk_size=chunk_size, return_entropy=True)
+                expected = P.token_logprobs(expected_ids, z, mask=M, chunk_size=chunk_size, return_entropy=True)
+                for a, b in zip(_flat(got), _flat(expected)):
+                    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_a_kept_label_past_the_vocabulary_is_nan_at_its_position_only(chunk_size):
+    labels = INPUTS["labels"][0].copy()
+    labels[1, 2] = V  # kept: NaN there
+    labels[1, 4] = V + 50  # masked: nothing
+    topk = INPUTS["topk_labels"][0].copy()
+    topk[0, 3, 1] = 2 * V
+    z = _linear(INPUTS["hidden"][0], KERNEL) if chunk_size else INPUTS["q"][0]
+    clean = to_numpy(P.token_logprobs(INPUTS["labels"][0], z, mask=M, chunk_size=chunk_size))
+    got = to_numpy(P.token_logprobs(labels, z, mask=M, chunk_size=chunk_size))
+    assert np.isnan(got[1, 2])
+    others = np.ones(got.shape, bool)
+    others[1, 2] = False
+    np.testing.assert_allclose(got[others], clean[others], rtol=1e-6)
+    for reduction in ("mean", "sum"):
+        assert np.isnan(to_numpy(P.cross_entropy(labels, z, mask=M, reduction=reduction, chunk_size=chunk_size)))
+    got, entropy = P.token_logprobs(topk, z, mask=M, chunk_size=chunk_size, return_entropy=True)
+    got, clean = to_numpy(got), to_numpy(P.token_logprobs(INPUTS["topk_labels"][0], z, mask=M, chunk_size=chunk_size))
+    assert np.isnan(got[0, 3, 1])
+    assert np.isfinite(to_numpy(entropy)).all()  # an entropy reads no label
+    others = np.ones(got.shape, bool)
+    others[0, 3, 1] = False
+    np.testing.assert_allclose(got[others], clean[others], rtol=1e-6)
+
+
+# ------------------------------------------------------------------ in fit
+
+# One case an op (its default kind), trained in a compiled `fit`.
+FIT_CASES = sorted(
+    {
+        "kl_divergence/linear",
+        "js_divergence",
+        "entropy",
+        "cross_entropy/linear",
+        "token_logprobs/topk_linear",
+        "kl_estimate",
+        "topk_kl",
+        "discounted_cumsum",
+        "policy_loss/ppo/sequence/advantages",
+        "policy_loss/cispo/token/sequence_advantages",
+        "preference_loss/sigmoid",
+        "preference_loss/orpo",
+    }
+)
+
+
+class _OpModel(keras.Model):
+    """The op as the loss of a model whose weights shift its differentiable
+    inputs (a kernel is the model's own), so that `fit` trains through it."""
+
+    def __init__(self, case):
+        super().__init__(name="op_model")
+        self.call_op, self.names, differentiable = CASES[case]
+        self.shifts = {
+            name: self.add_weight(shape=INPUTS[name][0].shape[1:], initializer="zeros", name=name)
+            for name in differentiable
+            if name != "kernel"
+        }
+        if "kernel" in differentiable:
+            self.kernel = self.add_weight(shape=KERNEL.shape, initializer=keras.initializers.Constant(KERNEL))
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        inputs = []
+        for name in self.names:
+            if name == "kernel":
+                inputs.append(self.kernel)
+            elif name in self.shifts:
+                inputs.append(x[name] + self.shifts[name])
+            else:
+                inputs.append(x[name])
+        return _scalar(self.call_op(*inputs))
+
+
+@pytest.mark.parametrize("name", FIT_CASES)
+def test_a_garbage_padded_batch_trains_to_the_weights_of_the_clean_one(name):
+    model = _OpModel(name)
+    model.compile(keras.optimizers.SGD(0.1))
+    names = [n for n in model.names if n != "kernel"]
+    start = model.get_weights()
+    trained = {}
+    for garbage in (None, "nan", "inf"):  # one compiled step, three batches
+        model.set_weights(start)
+        data = dict(zip(names, _inputs(names, garbage)))
+        history = model.fit(data, epochs=2, batch_size=B, shuffle=False, verbose=0).history
+        assert np.isfinite(history["loss"]).all(), (garbage, history)
+        trained[garbage] = model.get_weights(), history["loss"]
+    for garbage in ("nan", "inf"):
+        np.testing.assert_allclose(trained[garbage][1], trained[None][1], rtol=1e-6, err_msg=garbage)
+        for got, expected in zip(trained[garbage][0], trained[None][0]):
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=garbage)
+    assert any(not np.allclose(a, b) for a, b in zip(trained[None][0], start))
