@@ -18,8 +18,9 @@ def discounted_cumsum(values: TensorLike, gamma: float, *, mask: TensorLike | No
     per-token KL, a reward at the last token, …), as Tinker's on-policy
     distillation forms its advantages; masked positions are 0 and add
     nothing (Tinker leaves them unmasked), but still count in the discount's
-    exponent. Differentiable (a reverse associative scan: O(log T) steps,
-    no T × T matrix).
+    exponent. Differentiable, and traceable with a token axis known only
+    at run time (`keras.Input((None,))`, a `tf.function` over padded
+    batches of any length, a `tf.data` map).
 
     Args:
         values: x, [..., tokens].
@@ -48,15 +49,39 @@ def discounted_cumsum(values: TensorLike, gamma: float, *, mask: TensorLike | No
     x = dtypes.cast_to(values, compute)
     if mask is not None:
         x = ops.where(mask, x, ops.zeros_like(x))
-
-    def combine(later, earlier):
-        # Each element is h ↦ a·h + b (the return carried from the right):
-        # applying `later` then `earlier` gives (a₁a₂, b₁a₂ + b₂).
-        (a1, b1), (a2, b2) = later, earlier
-        return a1 * a2, b1 * a2 + b2
-
-    discounts = ops.full(ops.shape(x), gamma, compute)
-    _, y = ops.associative_scan(combine, (discounts, x), reverse=True, axis=len(x.shape) - 1)
+    if isinstance(x.shape[-1], int):
+        y = _parallel_returns(x, gamma)
+    else:
+        y = _sequential_returns(x, gamma)
     if mask is not None:
         y = ops.where(mask, y, ops.zeros_like(y))
     return dtypes.from_compute(y, dtype)
+
+
+def _parallel_returns(x, gamma):
+    """The returns by doubling (Hillis–Steele): after the steps of offset
+    1, 2, 4, …, y_t = Σ_{t ≤ s < t + 2^m} γ^(s−t)·x_s: ⌈log₂ T⌉ steps of a
+    shift and an add, no T × T matrix; the steps need the token axis's
+    length while tracing. (Keras' `associative_scan` loses the shape of a
+    [None, T] input on TensorFlow.)"""
+    length, offset, y = x.shape[-1], 1, x
+    while offset < length:
+        later = ops.concatenate([y[..., offset:], ops.zeros_like(y[..., :offset])], axis=-1)
+        y = y + (gamma**offset) * later
+        offset *= 2
+    return y
+
+
+def _sequential_returns(x, gamma):
+    """The returns by a reverse scan over the token axis, one step a token:
+    for a length known only at run time (a `tf.function` traced with
+    [batch, None] inputs, a layer's symbolic call on JAX), where the
+    associative scan cannot unroll its steps."""
+    steps = ops.moveaxis(x, -1, 0)
+
+    def step(later, value):
+        y = value + gamma * later
+        return y, y
+
+    _, y = ops.scan(step, ops.zeros_like(steps[0]), steps, reverse=True)
+    return ops.moveaxis(y, 0, -1)
