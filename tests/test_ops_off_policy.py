@@ -68,6 +68,26 @@ def test_importance_weights_equal_verls_rollout_correction(level):
     np.testing.assert_allclose(to_numpy(got), icepop, rtol=1e-5, atol=1e-7)
 
 
+# verl's rollout_rs option, its threshold, and the level and bounds of ours: verl bounds π_rollout/π_train, so
+# its (l, u) is (1/u, 1/l) of π/q; "u" alone is (1/u, u).
+REJECTIONS = {
+    "token_k1": ("token_k1", "2.0", "token", (0.5, 2.0)),
+    "token_k1_l_u": ("token_k1", "0.8_1.5", "token", (1 / 1.5, 1 / 0.8)),
+    "seq_sum_k1": ("seq_sum_k1", "3.0", "sequence", (1 / 3.0, 3.0)),
+    "seq_mean_k1": ("seq_mean_k1", "1.25", "geometric", (1 / 1.25, 1.25)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REJECTIONS))
+def test_kept_tokens_equal_verls_rejection_sampling_mask(name):
+    option, threshold, level, bounds = REJECTIONS[name]
+    expected = OP.verl_rollout_rejection_mask(LOGP, SAMPLER, MASK, option, threshold)
+    _, kept = P.importance_weights(f32(LOGP), f32(PADDED), level=level, mode="mask", bounds=bounds, mask=MASK)
+    kept = to_numpy(kept)
+    np.testing.assert_array_equal(kept, expected > 0)
+    assert kept.sum() < MASK.sum(), "no token rejected: the bounds test nothing"
+
+
 def test_geometric_weights_and_unbounded_ratios():
     delta = (LOGP - SAMPLER) * MASK
     geometric = np.exp(delta.sum(1, keepdims=True) / MASK.sum(1, keepdims=True)) * MASK
@@ -215,6 +235,16 @@ def test_clip_fractions_equal_trls_logged_ratios(level):
 
 
 # ------------------------------------------------------------------ everywhere
+
+
+def test_the_sequence_clip_fraction_equals_verls_gspo_clipfrac():
+    # verl's pg_clipfrac of GSPO: the kept tokens whose clipped loss exceeds the unclipped one, per-token advantages.
+    old = LOGP + RNG.normal(scale=1.0, size=(B, T))
+    advantages = np.tile(ADV[:, None], (1, T))
+    expected = OP.verl_gspo_clipfrac(LOGP, old, advantages, MASK, 0.2, 0.28)
+    got = P.clip_fraction(f32(LOGP), f32(old), f32(advantages), clip=(0.2, 0.28), level="sequence", mask=MASK)
+    np.testing.assert_allclose(float(got["region"]), expected, rtol=1e-6)
+    assert 0 < expected < 1
 
 
 def test_the_ops_under_jit_and_half_precision():

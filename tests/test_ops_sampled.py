@@ -132,6 +132,39 @@ def test_topk_kl_with_the_tail_equals_trls_and_verls_form():
     np.testing.assert_allclose(to_numpy(P.topk_kl(f32(t), f32(s), tail=False, reduction="none")), expected, rtol=1e-5)
 
 
+def test_topk_kl_without_the_tail_from_the_students_logits_equals_verls():
+    # verl's forward_kl_topk at its clamps' off settings (no tail, no renormalisation; its clamp_min(0) meets
+    # no value here), through token_logprobs' K ids: the value and the gradient reaching the student's logits.
+    _, _, student, teacher = _topk()
+    teacher_logprobs = special.log_softmax(teacher, axis=-1)
+    ids = np.argsort(-teacher_logprobs, axis=-1)[..., :K]
+    t = np.take_along_axis(teacher_logprobs, ids, -1)
+    expected = OP.verl_forward_kl_topk(student, t, ids, log_prob_min_clamp=None, loss_max_clamp=None)
+    raw = (np.exp(t) * (t - np.take_along_axis(special.log_softmax(student, axis=-1), ids, -1))).sum(-1)
+    assert (raw > 0).all()  # clamp_min(0) acts on none
+
+    def loss(z, reduction="sum"):
+        return P.topk_kl(f32(t), P.token_logprobs(ids, z), tail=False, reduction=reduction)
+
+    np.testing.assert_allclose(to_numpy(loss(f32(student), "none")), expected, rtol=1e-5)
+    expected_grad = OP.verl_forward_kl_topk_grad(student, t, ids, log_prob_min_clamp=None, loss_max_clamp=None)
+    np.testing.assert_allclose(grad(loss, f32(student)), expected_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_topk_kl_is_finite_where_a_teacher_id_has_probability_zero():
+    # 0·log 0 = 0: an id the teacher gives no mass adds nothing, with or without the tail.
+    t = f32([[np.log(0.25), -np.inf, np.log(0.75)]])
+    s = np.log(f32([[0.2, 0.3, 0.4]]))
+    # The tail: p_rest = 0 (to rounding), so 0·log(0 / q_rest) adds nothing either.
+    expected = 0.25 * math.log(0.25 / 0.2) + 0.75 * math.log(0.75 / 0.4)
+    for tail in (True, False):
+        np.testing.assert_allclose(float(P.topk_kl(t, s, tail=tail)), expected, rtol=1e-5)
+        g = grads(lambda a, b, tail=tail: P.topk_kl(a, b, tail=tail), t, s)[1]
+        assert_finite(g, "student gradient")
+        # ∂/∂s_k = −p_k (+ p_rest·q_k / q_rest with the tail, p_rest ≈ 0).
+        np.testing.assert_allclose(g, [[-0.25, 0.0, -0.75]], rtol=1e-5, atol=1e-6)
+
+
 def test_topk_kl_gradient_reaches_the_student_only():
     t, s, _, _ = _topk()
     p, q = np.exp(t), np.exp(s)
