@@ -6,15 +6,17 @@ tests/test_multiprocess.py:
     KERAS_BACKEND=torch python -m tests.ddp_run worker PORT RANK
 
 Each process runs its own rows of every global batch. The regression model
-(a `CompositeObjective` inside, `compute` of a second objective on the
-predictions, `ProximalDecay` around `AdaptiveGradientClipping`) is wrapped
+(a `CompositeObjective` inside, `compute` of a second objective and of a
+`CompositeLoss` on the predictions, `ProximalDecay` around
+`AdaptiveGradientClipping`) is wrapped
 in `DistributedDataParallel`, which averages the processes' gradients; the
 fused `Distiller.compute_loss` runs on the Distiller itself, its gradients
 averaged by hand as DDP does. The masks keep fewer rows and tokens in one
 process's half of every global batch than in the other's: the composites'
 token means, sums over samples and sequence means are the global batch's
 only because they sum their counts across the processes inside the
-forward pass. `PenaltyMonitor` probes the model every other step. It
+forward pass; a raw op's masked mean on the same rows stays each
+process's own (key "raw", not averaged). `PenaltyMonitor` probes the model every other step. It
 prints one JSON line: each step's loss and term values averaged over the
 processes (each process's share of the global value), the probes, and the
 final weights.
@@ -46,27 +48,32 @@ def regression(process, processes):
     from keras_penalties.callbacks import PenaltyMonitor
 
     model, optimizer, head = process_models.regression()
+    closs = process_models.composite_loss()
     forward = torch.nn.parallel.DistributedDataParallel(model) if processes > 1 else model
     # The same probe batch in every process, probed as one device.
     monitor = PenaltyMonitor(probe_data=(X[:BATCH], Y[:BATCH]))
     monitor.set_model(model)
     x, y, mask = (torch.tensor(local_rows(a, process, processes)) for a in (X, Y, MASK))
     per = BATCH // processes
-    results = {"losses": [], **{f"head/{name}": [] for name in head.terms}}
+    results = {"losses": [], "raw": [], **{f"{c.name}/{name}": [] for c in (head, closs) for name in c.terms}}
     for epoch in range(2):
         for start in range(0, len(x), per):
             rows = slice(start, start + per)
             pred = forward(x[rows])
             total, values = head.compute({"pred": pred, "mask": mask[rows]})
-            loss = torch.mean(torch.square(pred - y[rows])) + sum(model.losses) + total
+            loss_total, loss_values = closs.compute(y[rows], pred, sample_weight=mask[rows])
+            loss = loss_total + sum(model.losses) + total
+            # A raw op outside the composites keeps Keras' rule: this process's own mean.
+            results["raw"].append(float(process_models.raw_token_mean(pred, mask[rows]).detach()))
             loss.backward()
             variables = model.trainable_variables
             optimizer.apply([v.value.grad for v in variables], variables)
             for v in variables:
                 v.value.grad = None
             results["losses"].append(float(_average([loss.detach().clone()], processes)[0]))
-            for name, value in values.items():
-                results[f"head/{name}"].append(float(_average([value.detach().clone()], processes)[0]))
+            for prefix, named in (("head", values), ("closs", loss_values)):
+                for name, value in named.items():
+                    results[f"{prefix}/{name}"].append(float(_average([value.detach().clone()], processes)[0]))
             if start % (2 * per) == 0:
                 results.update({f"probe{start // per}_{epoch}/{k}": v for k, v in monitor.probe().items()})
             if process == 0 and start == 0:

@@ -28,15 +28,17 @@ def local_rows(array, process, processes):
     return np.concatenate([array[b + process * per : b + (process + 1) * per] for b in range(0, len(array), BATCH)])
 
 
-# The fused Distillers the runs train, by the prefix of their results: in
-# chunks of 4 rows, and at the default chunk_size (the logits formed whole).
-DISTILLER_CHUNKS = {"distiller": 4, "distiller_whole": None}
+# The Distillers the runs train, by the prefix of their results: fused in
+# chunks of 4 rows, fused at the default chunk_size (the logits formed
+# whole), and unfused (False: no heads named).
+DISTILLER_CHUNKS = {"distiller": 4, "distiller_whole": None, "distiller_unfused": False}
 
 
 def distiller(chunk_size=4):
-    """The fused Distiller the runs train: a teacher and a student whose tied
+    """The Distiller the runs train: a teacher and a student whose tied
     embeddings are their heads, one temperature-2 KL (weight 4) beside a
-    0.4-weighted cross-entropy, chunks of `chunk_size` rows; compiled with
+    0.4-weighted cross-entropy, chunks of `chunk_size` rows (False: the
+    heads not named, the logits formed by the models); compiled with
     SGD(0.05)."""
     import keras
 
@@ -57,9 +59,7 @@ def distiller(chunk_size=4):
         [LogitsDivergence(temperature=2.0, name="kd")],
         [4.0],
         student_loss_weight=0.4,
-        head="embedding",
-        teacher_head="embedding",
-        chunk_size=chunk_size,
+        **({} if chunk_size is False else {"head": "embedding", "teacher_head": "embedding", "chunk_size": chunk_size}),
     )
     model.compile(keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -100,6 +100,26 @@ def sequence_kl(values, mask):
     rows = ops.broadcast_to(ops.expand_dims(ops.cast(mask, "bool"), -1), ops.shape(values))
     tokens = ops.logical_and(rows, ops.stop_gradient(values) > -0.3)
     return P.kl_estimate(logprobs, ops.stop_gradient(logprobs) - 0.3, mask=tokens, reduction="sequence_mean")
+
+
+def composite_loss():
+    """A `CompositeLoss` on (y, predictions) with sample weights: Keras' MSE
+    and a masked entropy of the predictions as logits."""
+    import keras
+
+    from keras_penalties import Term
+    from keras_penalties.losses import CompositeLoss
+
+    terms = {"mse": keras.losses.MeanSquaredError(), "ent": Term("entropy", 0.1, options={"from_logits": True})}
+    return CompositeLoss(terms, name="closs")
+
+
+def raw_token_mean(values, mask):
+    """A raw op's masked token mean (the entropy of `values` as logits over
+    the rows `mask` keeps), called outside any composite."""
+    from keras_penalties import ops as P
+
+    return P.entropy(values, from_logits=True, mask=mask)
 
 
 def regression():

@@ -344,21 +344,26 @@ def _distillation_oracle(distiller):
     return 0.5 * O.np_cross_entropy(LABELS, student) + 0.5 * O.np_kl_divergence(teacher, student, from_logits=True)
 
 
+# Unfused; the student's head fused alone (the teacher's logits formed); both heads fused.
+HEADS = {"unfused": {}, "head": {"head": "head"}, "both": {"head": "head", "teacher_head": "head"}}
+
+
 def test_distiller_unfused_and_fused_with_only_its_heads_named():
     results = {}
-    for fused in (False, True):
-        distiller = _distiller(**({"head": "head", "teacher_head": "head"} if fused else {}))
+    for fused, heads in HEADS.items():
+        distiller = _distiller(**heads)
         total = to_numpy(distiller.compute_loss(x=TOKENS, y=LABELS))
         np.testing.assert_allclose(total, _distillation_oracle(distiller), rtol=2e-5)
         history, logs = _fit_and_evaluate(distiller, TOKENS, LABELS, epochs=2, shuffle=False)
         np.testing.assert_allclose(logs["total_loss"], _distillation_oracle(distiller), rtol=2e-5)
         results[fused] = history, distiller.student.get_weights()
     # The logits formed whole (no chunk_size): the unfused numbers.
-    assert set(results[True][0]) == set(results[False][0])
-    for key, values in results[True][0].items():
-        np.testing.assert_allclose(values, results[False][0][key], rtol=1e-5, err_msg=key)
-    for a, b in zip(results[True][1], results[False][1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    for fused in ("head", "both"):
+        assert set(results[fused][0]) == set(results["unfused"][0])
+        for key, values in results[fused][0].items():
+            np.testing.assert_allclose(values, results["unfused"][0][key], rtol=1e-5, err_msg=f"{fused}: {key}")
+        for a, b in zip(results[fused][1], results["unfused"][1]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6, err_msg=fused)
 
 
 # ------------------------------------------------------------------ ops
@@ -464,6 +469,33 @@ def _two_ids_and_rest():
 def test_op_on_numpy_arrays_with_required_arguments(name):
     call, oracle = OPS_ON_ARRAYS[name]
     np.testing.assert_allclose(to_numpy(call()), oracle(), rtol=2e-5, atol=1e-6)
+
+
+class _StepModel(keras.Model):
+    """A model whose loss is an op's value (summed): the op traced and
+    compiled inside `fit`'s training step, as a user's `compute_loss` calls it."""
+
+    def __init__(self, call):
+        super().__init__(name="step")
+        self.call_op = call
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        value = ops.sum(ops.cast(self.call_op(), "float32"))
+        return value * self.scale
+
+
+@pytest.mark.parametrize("name", sorted(OPS_ON_ARRAYS))
+def test_op_with_required_arguments_in_a_compiled_fit_step(name):
+    call, oracle = OPS_ON_ARRAYS[name]
+    model = _StepModel(call)
+    model.compile(keras.optimizers.SGD(1e-3))
+    history = model.fit(np.zeros((2, 1), "float32"), batch_size=2, epochs=1, verbose=0).history
+    # The loss before the step: the op's value, the scale still 1.
+    np.testing.assert_allclose(history["loss"][0], np.sum(np.asarray(oracle(), np.float64)), rtol=2e-5, atol=1e-6)
 
 
 HIDDEN = RNG.normal(size=(B, T, H)).astype("float32")

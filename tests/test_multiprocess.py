@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests import processes
+from tests.process_models import MASK
 from tests.testing import BACKEND
 
 JAX_ONLY = pytest.mark.skipif(
@@ -109,6 +110,14 @@ def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
     )
     first, second = _reports(workers)
     (one,) = _reports(processes.run([["tests.ddp_run", "one"]], env={"KERAS_BACKEND": "torch"}))
+    # A raw op's masked mean stays each process's: weighted by the rows each
+    # keeps, the two make one process's; alone, neither does.
+    raw = [np.asarray(r.pop("raw")) for r in (one, first, second)]
+    kept = [
+        np.array([MASK[b + p * 4 : b + p * 4 + 4].sum() for _ in range(2) for b in range(0, 32, 8)]) for p in (0, 1)
+    ]
+    np.testing.assert_allclose((kept[0] * raw[1] + kept[1] * raw[2]) / (kept[0] + kept[1]), raw[0], rtol=1e-5)
+    assert not np.allclose(raw[1], raw[0], rtol=1e-3)
     _assert_equal_to_one_process(one, first, second)
 
 
