@@ -208,6 +208,20 @@ def _scalar(outputs):
     return sum(ops.sum(ops.cast(o, "float32")) for o in floats)
 
 
+def _gradients(call, names, differentiable, inputs):
+    """The gradient of Σ of the op's float outputs w.r.t. each of its
+    `differentiable` inputs, the others held at `inputs`."""
+    at = [names.index(n) for n in differentiable]
+
+    def scalar(*xs):
+        given = list(inputs)
+        for i, x in zip(at, xs):
+            given[i] = x
+        return _scalar(call(*given))
+
+    return grads(scalar, *[inputs[i] for i in at])
+
+
 def test_every_public_op_that_takes_a_mask_or_labels_is_checked_here():
     takes = {
         name
@@ -229,16 +243,7 @@ def test_padding_changes_neither_value_nor_gradient(name, garbage):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
     if not differentiable:
         return
-    at = [names.index(n) for n in differentiable]
-
-    def scalar(*xs, inputs):
-        inputs = list(inputs)
-        for i, x in zip(at, xs):
-            inputs[i] = x
-        return _scalar(call(*inputs))
-
-    expected = grads(lambda *xs: scalar(*xs, inputs=clean), *[clean[i] for i in at])
-    got = grads(lambda *xs: scalar(*xs, inputs=padded), *[padded[i] for i in at])
+    got, expected = _gradients(call, names, differentiable, padded), _gradients(call, names, differentiable, clean)
     for n, g, e in zip(differentiable, got, expected):
         assert np.isfinite(g).all(), f"{n}'s gradient is not finite: {g}"
         np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=n)
@@ -363,3 +368,32 @@ def test_a_garbage_padded_batch_trains_to_the_weights_of_the_clean_one(name):
         for got, expected in zip(trained[garbage][0], trained[None][0]):
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7, err_msg=garbage)
     assert any(not np.allclose(a, b) for a, b in zip(trained[None][0], start))
+
+
+# ------------------------------------------------------------------ half precision
+
+HALF_CASES = (
+    "cross_entropy/linear",
+    "kl_divergence",
+    "token_logprobs/topk_linear",
+    "topk_kl",
+    "policy_loss/ppo/sequence/advantages",
+    "preference_loss/orpo",
+)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", HALF_CASES)
+def test_half_precision_padding_changes_nothing(name, dtype):
+    call, names, differentiable = CASES[name]
+
+    def half(arrays):
+        return [ops.cast(a, dtype) if a.dtype.kind == "f" else ops.convert_to_tensor(a) for a in arrays]
+
+    clean, padded = half(_inputs(names)), half(_inputs(names, "nan"))
+    for got, expected in zip(_flat(call(*padded)), _flat(call(*clean))):
+        np.testing.assert_array_equal(got, expected)
+    got, expected = _gradients(call, names, differentiable, padded), _gradients(call, names, differentiable, clean)
+    for n, g, e in zip(differentiable, got, expected):
+        assert np.isfinite(g).all(), n
+        np.testing.assert_array_equal(g, e, err_msg=n)

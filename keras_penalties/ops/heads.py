@@ -132,9 +132,10 @@ def cross_entropy(
 
     Args:
         labels: integer class indices, the shape of `logits` without
-            `axis` (e.g. [batch, tokens]). Where `mask` drops a position its
-            label is not read (padding labels such as -100 are fine there);
-            a kept label must lie in [0, K).
+            `axis` (e.g. [batch, tokens]). A negative label masks its
+            position (Hugging Face's -100: counted nowhere); where `mask`
+            drops a position its label is not read; a kept label ≥ K gives
+            NaN there.
         logits: logits (the default), probabilities with
             `from_logits=False` (used as given, like `kl_divergence`:
             unlike Keras, not clipped at 1e-7), or `ops.linear(...)`.
@@ -197,11 +198,13 @@ def token_logprobs(
 
     Args:
         labels: integer token ids, the logits' shape without the class
-            axis (e.g. [batch, tokens]), or that plus K ids a position.
+            axis (e.g. [batch, tokens]), or that plus K ids a position. A
+            negative id masks its position (Hugging Face's -100); a kept
+            id ≥ V gives NaN there.
         logits: logits [..., V] or `ops.linear(...)`.
         temperature: T > 0 dividing the logits (a sampler's temperature).
         mask: None, or the positions that count: the others are 0 and carry
-            no gradient (their labels are not read).
+            no gradient, whatever their labels and logits hold.
         chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`).
         return_entropy: also return the entropy (nats) of softmax(logits /
             T) at each position, from the same chunks (no extra matrix
