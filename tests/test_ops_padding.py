@@ -62,9 +62,9 @@ INPUTS = {
 }
 KERNEL = RNG.normal(scale=0.8, size=(H, V)).astype("float32")
 BIAS = RNG.normal(size=(V,)).astype("float32")
-# What padding holds: the float inputs' garbage and the labels' (an id past
-# the vocabulary; -100 masks a position by itself, see below).
-GARBAGE = {"inf": (np.inf, V + 3), "-inf": (-np.inf, 10**6), "nan": (np.nan, V)}
+# What padding holds: the float inputs' garbage and the labels' (ids past
+# the vocabulary, and Hugging Face's -100, which also masks by itself).
+GARBAGE = {"inf": (np.inf, V + 3), "-inf": (-np.inf, 10**6), "nan": (np.nan, -100)}
 
 
 def _padded(name, garbage):
