@@ -25,6 +25,9 @@ Reduction: TypeAlias = Literal["sum", "mean", "none"]
 # The token-level ops of fine-tuning (cross_entropy, entropy, kl_estimate,
 # policy_loss) also average over sequences of [batch, tokens] values.
 TokenReduction: TypeAlias = Literal["sum", "mean", "none", "sequence_mean", "sequence_sum"]
+# The fine-tuning losses (kl_estimate, policy_loss) also take Dr. GRPO's
+# constant normaliser: Σ L·M over (sequences × max_length).
+PolicyReduction: TypeAlias = Literal["sum", "mean", "none", "sequence_mean", "sequence_sum", "constant"]
 # l1, l2 and elastic_net also take Keras' activity-regularizer scale.
 MagnitudeReduction: TypeAlias = Literal["sum", "mean", "none", "sum_over_batch_size"]
 # What `keras.losses.Loss(reduction=...)` accepts.
@@ -36,7 +39,7 @@ OrthogonalityAxis: TypeAlias = Literal["columns", "rows"]
 EntropyMode: TypeAlias = Literal["penalty", "bonus"]
 Divergence: TypeAlias = Literal["kl", "js"]
 Estimator: TypeAlias = Literal["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"]
-PolicyLoss: TypeAlias = Literal["reinforce", "importance_sampling", "ppo", "cispo"]
+PolicyLoss: TypeAlias = Literal["reinforce", "importance_sampling", "ppo", "cispo", "sapo", "gmpo", "vespo"]
 # Whose ratio a policy loss reads: each token's, GSPO's sequence ratio, or
 # GSPO-token's (the sequence ratio's value with a per-token gradient).
 PolicyLevel: TypeAlias = Literal["token", "sequence", "sequence_token"]
@@ -44,10 +47,29 @@ PolicyLevel: TypeAlias = Literal["token", "sequence", "sequence_token"]
 # ratios) or its geometric mean.
 ImportanceLevel: TypeAlias = Literal["token", "sequence", "geometric"]
 ImportanceMode: TypeAlias = Literal["truncate", "mask"]
+# DPPO's trust region in probability space: total variation or binary KL.
+TrustRegion: TypeAlias = Literal["tv", "kl"]
 # Preference losses (TRL's `loss_type` names) and the reward statistics TRL logs.
 PreferenceKind: TypeAlias = Literal[
-    "sigmoid", "robust", "hinge", "ipo", "nca_pair", "sppo_hard", "apo_zero", "apo_down", "simpo", "orpo"
+    "sigmoid",
+    "robust",
+    "hinge",
+    "ipo",
+    "nca_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "simpo",
+    "orpo",
+    "bco_pair",
+    "exo_pair",
+    "discopop",
+    "sigmoid_norm",
 ]
+# TRL's `f_divergence_type`: the score of a log-ratio the kinds built on h take.
+PreferenceDivergence: TypeAlias = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+# Unpaired preference losses: KTO, and TRL's unpaired APO-zero.
+UnpairedKind: TypeAlias = Literal["kto", "apo_zero_unpaired"]
 PreferenceStatistic: TypeAlias = Literal["chosen", "rejected", "margin", "accuracy"]
 # An optional bound on each side: (low, high), either None.
 Bounds: TypeAlias = tuple[Optional[float], Optional[float]]
@@ -74,6 +96,7 @@ PenaltyName: TypeAlias = Literal[
     "preference_loss",
     "preference_reward",
     "topk_kl",
+    "unpaired_preference_loss",
 ]
 # A term's penalty: an ops function's name, or a callable of tensors (an ops
 # function, a Regularizer, a Loss, any function returning a scalar).

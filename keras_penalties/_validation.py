@@ -12,7 +12,7 @@ from typing import Any, Callable, ParamSpec, Protocol, TypeVar, cast, get_args
 import keras
 import numpy as np
 
-from keras_penalties._types import MagnitudeReduction, Reduction, TokenReduction
+from keras_penalties._types import MagnitudeReduction, PolicyReduction, Reduction, TokenReduction
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -118,6 +118,7 @@ positive = _number_where(lambda v: v > 0, "> 0")
 non_negative = _number_where(lambda v: v >= 0, ">= 0")
 closed_unit = _number_where(lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 open_unit = _number_where(lambda v: 0.0 < v < 1.0, "in the open interval (0, 1)")
+half_open_unit = _number_where(lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 above_one = _number_where(lambda v: v > 1.0, "> 1")
 below_half = _number_where(lambda v: 0.0 <= v < 0.5, "in [0, 0.5)")
 
@@ -163,16 +164,15 @@ REDUCTIONS = get_args(Reduction)
 MAGNITUDE_REDUCTIONS = get_args(MagnitudeReduction)
 REDUCTION = choice(*REDUCTIONS)
 TOKEN_REDUCTION = choice(*get_args(TokenReduction))
+POLICY_REDUCTION = choice(*get_args(PolicyReduction))
 SEQUENCE_REDUCTIONS = ("sequence_mean", "sequence_sum")
 
 
 def check_sequence_rank(reduction, rank, what="the per-token values"):
-    """A sequence reduction needs [batch, tokens] values."""
-    if reduction in SEQUENCE_REDUCTIONS and rank != 2:
-        raise ValueError(
-            f"`reduction={reduction!r}` averages over sequences: {what} must be [batch, tokens] (rank 2); "
-            f"got rank {rank}."
-        )
+    """A sequence reduction (and the constant normaliser) needs [batch, tokens] values."""
+    if reduction in (*SEQUENCE_REDUCTIONS, "constant") and rank != 2:
+        how = "divides by sequences × max_length" if reduction == "constant" else "averages over sequences"
+        raise ValueError(f"`reduction={reduction!r}` {how}: {what} must be [batch, tokens] (rank 2); got rank {rank}.")
 
 
 MAGNITUDE_REDUCTION = choice(*MAGNITUDE_REDUCTIONS)

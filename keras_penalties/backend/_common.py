@@ -230,6 +230,10 @@ def sum_over_replicas(tensors, keep_losses_of=None):
     return list(tensors)
 
 
+def gather_over_replicas(tensors):
+    return list(tensors)
+
+
 def variable_home(model=None):
     # JAX lays a variable out by the distribution in effect when it is made.
     return keras.distribution.distribution()

@@ -33,6 +33,17 @@ def replicas_in_sync():
     return distributed.get_world_size()
 
 
+def gather_over_replicas(tensors):
+    """Each tensor's values on every process, concatenated along axis 0 in
+    rank order, without a gradient (every process's tensor of one shape)."""
+    gathered = []
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(parts, t.detach().contiguous())
+        gathered.append(torch.cat(parts))
+    return gathered
+
+
 def sum_over_replicas(tensors, keep_losses_of=None):
     """Each tensor (None stays None) summed over the processes in one
     all-reduce, without a gradient: the package sums counts and frozen

@@ -135,5 +135,10 @@ def sum_over_replicas(tensors, keep_losses_of=None):
     return tensors
 
 
+def gather_over_replicas(tensors):
+    tensors = [tf.stop_gradient(t) for t in tensors]
+    return list(tf.distribute.get_replica_context().all_gather(tensors, axis=0))
+
+
 def loss_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync

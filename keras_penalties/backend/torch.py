@@ -15,7 +15,12 @@ from keras_penalties.backend._torch_heads import (  # noqa: F401  (the backend's
     project,
     soft_cap,
 )
-from keras_penalties.backend._torch_processes import one_process, replicas_in_sync, sum_over_replicas  # noqa: F401
+from keras_penalties.backend._torch_processes import (  # noqa: F401
+    gather_over_replicas,
+    one_process,
+    replicas_in_sync,
+    sum_over_replicas,
+)
 
 # Eager torch forms each log-softmax it is asked for: an objective's terms
 # share those of its inputs (num.sharing). A term's own autograd.grad or

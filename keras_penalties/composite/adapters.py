@@ -227,7 +227,7 @@ class _OpPenalty(_Penalty):
         return super().loss_tensors(y_true, y_pred)
 
     def loss_value(self, name, y_true, y_pred, sample_weight):
-        if self.options.get("reduction") in check.SEQUENCE_REDUCTIONS:
+        if self.options.get("reduction") in (*check.SEQUENCE_REDUCTIONS, "constant"):
             return self._sequence_value(name, y_true, y_pred, sample_weight)
         if self._loss is None:
             return super().loss_value(name, y_true, y_pred, sample_weight)

@@ -38,7 +38,9 @@ from keras_penalties.ops.preference import (
     preference_reward as preference_reward,
 )
 from keras_penalties.ops.returns import discounted_cumsum as discounted_cumsum
+from keras_penalties.ops.token_masks import entropy_mask as entropy_mask, trust_region_mask as trust_region_mask
 from keras_penalties.ops.topk import topk_kl as topk_kl
+from keras_penalties.ops.unpaired import unpaired_preference_loss as unpaired_preference_loss
 
 # The functions a `Term` may name: each returns a scalar penalty.
 PENALTIES = get_args(PenaltyName)
@@ -53,6 +55,8 @@ TENSOR_OPS = (
     "off_policy_mask",
     "clip_fraction",
     "discounted_cumsum",
+    "trust_region_mask",
+    "entropy_mask",
 )
 
 __all__ = [*TENSOR_OPS, *PENALTIES]

@@ -50,6 +50,19 @@ def kept_divisor(count, floor=1.0):
     return _replicas.global_divisor(count, floor, keep_losses_of=scope[0])
 
 
+def whole_batch_mean(total, count):
+    """total / count, 0 where count is 0, over the whole global batch where
+    masked means are the global batch's (`global_means_active`): both
+    summed over the replicas first, so that every replica holds the same
+    value (a statistic the loss reads, such as KTO's z₀, not a loss that
+    Keras divides)."""
+    scope = _GLOBAL.get()
+    if scope and _replicas.in_sync() > 1:
+        total, count = _replicas.mean_in_sync([total, count], keep_losses_of=scope[0])
+    safe = ops.where(count > 0, count, ops.ones_like(count))
+    return ops.where(count > 0, total / safe, ops.zeros_like(total))
+
+
 def count(x, axis=None):
     """How many elements of `x` lie along `axis` (an int, a tuple, or None
     for all axes); symbolic where the shape is."""
@@ -143,13 +156,15 @@ def fill_masked(x, mask, value=0, axis=None):
     return ops.where(mask, x, fill)
 
 
-def masked_reduce(values, mask, reduction):
+def masked_reduce(values, mask, reduction, max_length=None):
     """`reduce` over the kept samples only: masked ones are 0 in the value and
     the gradient, and `"mean"` divides by the number kept (0 when none is).
     The sequence reductions of [batch, tokens] values: see
-    `sequence_reduce`."""
+    `sequence_reduce`; `"constant"`: see `constant_reduce`."""
     if reduction in ("sequence_mean", "sequence_sum"):
         return sequence_reduce(values, mask, reduction)
+    if reduction == "constant":
+        return constant_reduce(values, mask, max_length)
     if mask is None:
         return reduce(values, reduction)
     values = ops.where(mask, values, ops.zeros_like(values))
@@ -157,6 +172,20 @@ def masked_reduce(values, mask, reduction):
         return reduce(values, reduction)
     total = ops.sum(values)
     return total / kept_divisor(ops.sum(ops.cast(mask, total.dtype)))
+
+
+def constant_reduce(values, mask, max_length=None):
+    """Dr. GRPO's constant normaliser of [batch, tokens] values: Σ L·M over
+    B·L_max, B every sequence of the batch, kept or not (the whole batch's
+    within `global_token_means`), L_max `max_length` (None: the tokens
+    axis's length). 0 where nothing is kept or the batch is empty."""
+    if mask is not None:
+        values = ops.where(mask, values, ops.zeros_like(values))
+    total = ops.sum(values)
+    shape = ops.shape(values)
+    length = shape[1] if max_length is None else max_length
+    divisor = ops.cast(kept_divisor(shape[0]), total.dtype) * ops.cast(at_least_one(length), total.dtype)
+    return total / divisor
 
 
 def sequence_reduce(values, mask, reduction):

@@ -353,5 +353,5 @@ def token_columns(values_fn, logits, labels, mask, chunk_size, several, extra):
     if not several:
         beyond = ops.expand_dims(beyond, -1)
     if extra:  # an entropy reads no label
-        beyond = ops.concatenate([beyond, ops.zeros_like(beyond[..., :extra])], axis=-1)
+        beyond = ops.concatenate([beyond] + [ops.zeros_like(beyond[..., :1])] * extra, axis=-1)
     return dtypes.from_compute(_poisoned(values, beyond), dtype)

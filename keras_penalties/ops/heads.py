@@ -171,7 +171,13 @@ def cross_entropy(
     )
 
 
-@check.options(tensors=("mask",), temperature=check.positive, chunk_size=check.chunk_size, return_entropy=check.boolean)
+@check.options(
+    tensors=("mask",),
+    temperature=check.positive,
+    chunk_size=check.chunk_size,
+    return_entropy=check.boolean,
+    return_log_sum_sq=check.boolean,
+)
 def token_logprobs(
     labels: TensorLike,
     logits: TensorLike | LinearLogits,
@@ -180,7 +186,8 @@ def token_logprobs(
     mask: TensorLike | None = None,
     chunk_size: ChunkSize = None,
     return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_log_sum_sq: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """log p(label) at each position: the sampled tokens' log-probabilities.
 
     The shape of `labels` (TRL's `selective_log_softmax`), equal to
@@ -210,11 +217,17 @@ def token_logprobs(
             T) at each position, from the same chunks (no extra matrix
             product), with its gradient (TRL's
             `_get_per_token_logps_and_entropies`): `(logprobs, entropy)`.
+        return_log_sum_sq: also return log Σ_v p_v² of p = softmax(logits /
+            T) at each position, logsumexp(2z/T) − 2·logsumexp(z/T), from
+            the same chunks (no extra matrix product), a constant (no
+            gradient, as TRL's fused head marks it): WPO's input
+            (`preference_loss(..., chosen_log_sum_sq=...)`).
 
     Returns:
-        The log-probabilities, `labels`' shape; with `return_entropy`, a
-        pair whose entropy has the positions' shape (one a position, also
-        with K ids). In the logits' dtype.
+        The log-probabilities, `labels`' shape; with `return_entropy` or
+        `return_log_sum_sq`, a tuple `(logprobs, entropy, log_sum_sq)` of
+        those asked for, in that order, each extra one of the positions'
+        shape (one a position, also with K ids). In the logits' dtype.
 
     Example:
 
@@ -237,7 +250,7 @@ def token_logprobs(
             f"plus K ids a position; got {tuple(ids.shape)}."
         )
     several = len(ids.shape) == positions + 1
-    if not several and not return_entropy:
+    if not several and not return_entropy and not return_log_sum_sq:
         values = cross_entropy(
             labels,
             logits,
@@ -248,28 +261,50 @@ def token_logprobs(
             chunk_size=chunk_size,
         )
         return ops.negative(values)
-    columns = functools.partial(_logprob_columns, temperature=temperature, entropy=return_entropy, several=several)
-    values = token_columns(columns, logits, ids, mask, chunk_size, several, int(return_entropy))
-    logprobs = values[..., :-1] if return_entropy else values
+    columns = functools.partial(
+        _logprob_columns,
+        temperature=temperature,
+        entropy=return_entropy,
+        log_sum_sq=return_log_sum_sq,
+        several=several,
+    )
+    extra = int(return_entropy) + int(return_log_sum_sq)
+    values = token_columns(columns, logits, ids, mask, chunk_size, several, extra)
+    logprobs = values[..., :-extra] if extra else values
     if not several:
         logprobs = logprobs[..., 0]
-    return (logprobs, values[..., -1]) if return_entropy else logprobs
+    if not extra:
+        return logprobs
+    return (logprobs, *(values[..., i] for i in range(-extra, 0)))
 
 
 def _logprob_columns(
-    logits: Tensor, *, labels: Tensor, temperature: float, entropy: bool, several: bool, axis: int = -1
+    logits: Tensor,
+    *,
+    labels: Tensor,
+    temperature: float,
+    entropy: bool,
+    log_sum_sq: bool,
+    several: bool,
+    axis: int = -1,
 ) -> Tensor:
-    """[rows, K (+ 1)]: log p of each row's labels ([rows] or [rows, K]) and,
-    with `entropy`, the row's entropy last (classes on the last `axis`)."""
+    """[rows, K (+ 1) (+ 1)]: log p of each row's labels ([rows] or [rows,
+    K]), then with `entropy` the row's entropy, with `log_sum_sq` its
+    log Σ p² (a constant), from the same logits (classes on the last
+    `axis`)."""
     labels = labels if several else labels[:, None]
-    fused = backend.label_logprobs(logits if temperature == 1.0 else logits / temperature, labels, entropy)
-    if fused is not None:
-        return fused
-    logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
-    picked = ops.take_along_axis(logp, labels, axis=-1)
-    if not entropy:
-        return picked
-    return ops.concatenate([picked, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
+    scaled = logits if temperature == 1.0 else logits / temperature
+    columns = backend.label_logprobs(scaled, labels, entropy)
+    if columns is None:
+        logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
+        columns = ops.take_along_axis(logp, labels, axis=-1)
+        if entropy:
+            columns = ops.concatenate([columns, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
+    if not log_sum_sq:
+        return columns
+    lse = ops.logsumexp(scaled, axis=-1, keepdims=True)
+    squared = ops.stop_gradient(ops.logsumexp(2.0 * scaled, axis=-1, keepdims=True) - 2.0 * lse)
+    return ops.concatenate([columns, squared], axis=-1)
 
 
 def _cross_entropy_values(

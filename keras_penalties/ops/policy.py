@@ -17,8 +17,9 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import Estimator, PolicyLevel, PolicyLoss, Tensor, TensorLike, TokenReduction
+from keras_penalties._types import Estimator, PolicyLevel, PolicyLoss, PolicyReduction, Tensor, TensorLike
 from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties.ops import _policy_kinds as kinds
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _ratios as ratios
 from keras_penalties.ops import _reductions as reductions
@@ -76,8 +77,9 @@ def _token_weights(weights, like, dtype):
     tensors=("mask", "old_logprobs"),
     prediction_first=True,
     estimator=check.choice(*ESTIMATORS),
-    reduction=check.TOKEN_REDUCTION,
+    reduction=check.POLICY_REDUCTION,
     clip=_estimate_clip,
+    max_length=kinds.checks["max_length"],
 )
 def kl_estimate(
     logprobs: TensorLike,
@@ -85,9 +87,10 @@ def kl_estimate(
     *,
     estimator: Estimator = "k3",
     mask: TensorLike | None = None,
-    reduction: TokenReduction = "mean",
+    reduction: PolicyReduction = "mean",
     clip: tuple[float, float] | None = None,
     old_logprobs: TensorLike | None = None,
+    max_length: int | None = None,
 ) -> Tensor:
     """A per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probabilities.
 
@@ -107,8 +110,10 @@ def kl_estimate(
         mask: None, or the tokens that count (logprobs' shape).
         reduction: `"mean"` (over the kept tokens), `"sum"`, `"none"`,
             `"sequence_mean"` (the mean over the sequences that keep a token
-            of each one's kept-token mean) or `"sequence_sum"` (of each
-            one's kept-token sum); the last two on [batch, tokens].
+            of each one's kept-token mean), `"sequence_sum"` (of each
+            one's kept-token sum) or `"constant"` (Dr. GRPO's: the kept
+            tokens' sum over B·L_max, B every sequence of the batch, L_max
+            `max_length`); the last three on [batch, tokens].
         clip: None, or (low, high): the estimate clamped to it, with a zero
             gradient outside, "+" forms included (verl's `low_var_kl` is
             `"k3"` with `clip=(-10, 10)`; its `low_var_kl+` clamps the value
@@ -118,6 +123,8 @@ def kl_estimate(
             r = exp(clamp(logprobs − old_logprobs, ±20)), with r's gradient,
             and stays unbiased for KL(π‖π_ref) (DeepSeek-V3.2; TRL's
             `use_bias_correction_kl`).
+        max_length: with `reduction="constant"`, L_max (an int at least the
+            tokens axis's length; None: that length).
 
     Returns:
         The reduced estimate, in logprobs' dtype.
@@ -139,6 +146,7 @@ def kl_estimate(
     if old_logprobs is not None:
         old_logprobs = backend.as_tensor(old_logprobs)
         check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
+    _check_max_length(max_length, logprobs, reduction)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
     # A masked token may hold anything (a reference padded with -inf).
@@ -163,16 +171,17 @@ def kl_estimate(
         value = num.clamp(value, clip[0], clip[1])
     if old_logprobs is not None:
         value = value * ratios.exp_clamped(ratios.log_ratio(logprobs, old_logprobs, mask))
-    return dtypes.from_compute(reductions.masked_reduce(value, mask, reduction), dtype)
+    return dtypes.from_compute(reductions.masked_reduce(value, mask, reduction, max_length), dtype)
 
 
 @check.options(
     tensors=("mask", "weights"),
     kind=check.choice(*POLICY_LOSSES),
-    clip=ratio_clip,
+    clip=kinds.any_clip,
     dual_clip=_dual_clip,
-    reduction=check.TOKEN_REDUCTION,
+    reduction=check.POLICY_REDUCTION,
     level=check.choice(*POLICY_LEVELS),
+    **kinds.checks,
 )
 def policy_loss(
     logprobs: TensorLike,
@@ -180,25 +189,42 @@ def policy_loss(
     advantages: TensorLike,
     *,
     kind: PolicyLoss = "ppo",
-    clip: tuple[float, float] = (0.2, 0.2),
+    clip: tuple[float, float] | None = None,
     dual_clip: float | None = None,
     mask: TensorLike | None = None,
-    reduction: TokenReduction = "mean",
+    reduction: PolicyReduction = "mean",
     level: PolicyLevel = "token",
     weights: TensorLike | None = None,
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+    max_length: int | None = None,
 ) -> Tensor:
     """The per-token policy-gradient surrogate loss, to minimise.
 
     With r = exp(clamp(logprobs − old_logprobs, ±20)) and A the advantages:
     `"reinforce"` −A·logprobs; `"importance_sampling"` −r·A; `"ppo"`
     max(−r·A, −clip(r, 1 − ε_low, 1 + ε_high)·A), and with `dual_clip` c
-    where A < 0 at most −c·A; `"cispo"` −sg(min(r, 1 + ε_high))·A·logprobs.
+    where A < 0 at most −c·A; `"cispo"` −sg(min(r, 1 + ε_high))·A·logprobs;
+    `"sapo"` (SAPO) −σ(τ(r − 1))·(4/τ)·A, a soft gate in place of the clip,
+    τ = τ₊ where A > 0, τ₋ elsewhere.
 
     `level="sequence"` (GSPO) gives every token of a sequence the sequence's
     ratio, log r = Σ_t (logprobs − old_logprobs)·M / max(Σ_t M, 1), with its
     gradient through every kept token; `"sequence_token"` (GSPO-token) its
     value with each token's own gradient, exp(sg(log r) + logprobs −
-    sg(logprobs)). Either clamps log r to ±20 and is clipped as above.
+    sg(logprobs)). Either clamps log r to ±20 and is clipped (or gated) as
+    above.
+
+    Two kinds form their own sequence ratio (on [batch, tokens], `level`
+    "token"): `"gmpo"` (GMPO) −A_i·exp(clamp(Σ_t M·c_t / max(n_i, 1), ±20))
+    on every token of sequence i, c_t the log-ratio clipped on A's side
+    only (≤ ε_high where A > 0, ≥ −ε_low elsewhere: `clip` holds log-ratio
+    bounds here), per-sequence advantages; `"vespo"` (VESPO)
+    −sg(φ)·A·logprobs, φ = exp(λ + k·log w − λ·w), log w = clamp(Σ_t
+    clamp(δ_t, ±20)·M_t, [ln 1e-8, 20]) the sequence's (a sum), (k, λ) the
+    first of `vespo_k`, `vespo_lambda` where A ≥ 0. LUSPO is not a kind:
+    `kind="ppo", level="sequence", reduction="sequence_sum"`.
 
     Args:
         logprobs: log π of each sampled token under the policy being
@@ -208,29 +234,39 @@ def policy_loss(
         advantages: per sequence ([batch], broadcast over its tokens) or per
             token (logprobs' shape); a constant.
         kind: one of the above.
-        clip: (ε_low, ε_high), 0 ≤ ε_low < 1, ε_high ≥ 0: PPO's ratio clip
-            (asymmetric as DAPO's clip-higher), CISPO's ε_high.
+        clip: None (the kind's default: (0.4, 0.4) for `"gmpo"`, (0.2, 0.2)
+            otherwise), or (ε_low, ε_high), 0 ≤ ε_low < 1, ε_high ≥ 0: PPO's
+            ratio clip (asymmetric as DAPO's clip-higher), CISPO's ε_high;
+            for `"gmpo"` log-ratio bounds, each ≥ 0.
         dual_clip: None, or c > 1 (PPO's dual clip, as verl's).
         mask: None, or the tokens that count (logprobs' shape).
         reduction: as `kl_estimate`'s: `"mean"` over the kept tokens
-            (DAPO's token mean), `"sequence_mean"` (GRPO's), …
+            (DAPO's token mean), `"sequence_mean"` (GRPO's; SAPO's and
+            GMPO's in TRL and verl), `"constant"` (Dr. GRPO's), …
         level: `"token"`, `"sequence"` or `"sequence_token"` (a ratio's
-            kind only: not `"reinforce"`), the last two on [batch, tokens].
+            kind only: not `"reinforce"`, `"gmpo"` or `"vespo"`), the last
+            two on [batch, tokens].
         weights: None, or per-token ([batch, tokens]) or per-sequence
             ([batch]) constants multiplied into the loss before the
             reduction: importance weights (`importance_weights`), entropy or
             off-policy masks, as TRL and verl apply them.
+        sapo_tau: (τ₊, τ₋), each > 0 (TRL's `sapo_temperature_pos/neg`).
+        vespo_k, vespo_lambda: (k₊, k₋) ≥ 0 and (λ₊, λ₋) > 0, VESPO's.
+        max_length: with `reduction="constant"`, L_max (an int at least the
+            tokens axis's length; None: that length).
 
     Returns:
         The reduced loss, in logprobs' dtype.
 
     Raises:
         ValueError: an unknown `kind`, `level` or `reduction`, `clip` or
-            `dual_clip` out of range, `old_logprobs` None for a ratio, a
-            `level` other than `"token"` for `"reinforce"`, shapes that
+            `dual_clip` out of range, `sapo_tau`, `vespo_k`, `vespo_lambda`
+            or `max_length` out of range, `old_logprobs` None for a ratio,
+            a `level` other than `"token"` for `"reinforce"`, `"gmpo"` or
+            `"vespo"`, per-token advantages for `"gmpo"`, shapes that
             differ, `advantages` or `weights` neither [batch] nor
-            logprobs' shape, or a sequence reduction or level on a rank
-            other than 2.
+            logprobs' shape, or a sequence reduction, level or kind on a
+            rank other than 2.
 
     Example:
 
@@ -238,18 +274,24 @@ def policy_loss(
     >>> # r = 1.5 > 1.2 with A = 1: PPO's clipped term, −1.2·A
     >>> round(float(P.policy_loss([0.405465], [0.0], [1.0])), 4)
     -1.2
+    >>> # SAPO at r = 1: σ(0)·4/τ₊ = 2, times −A
+    >>> round(float(P.policy_loss([0.0], [0.0], [1.0], kind="sapo")), 4)
+    -2.0
     """
+    clip = kinds.kind_clip(kind, clip)
     if old_logprobs is None and kind != "reinforce":
         raise ValueError(f"`old_logprobs` is needed for kind={kind!r} (its ratio r); only 'reinforce' takes None.")
-    if kind == "reinforce" and level != "token":
-        raise ValueError(f"`level={level!r}` reads a ratio; kind='reinforce' has none: use level='token'.")
+    kinds.check_level(kind, level)
     logprobs = backend.as_tensor(logprobs)
+    advantages = backend.as_tensor(advantages)
+    per_token = len(advantages.shape) == len(logprobs.shape) and len(logprobs.shape) > 1
+    kinds.check_shapes(kind, len(logprobs.shape), per_token)
     if old_logprobs is not None:
         old_logprobs = backend.as_tensor(old_logprobs)
         check.check_same_shape(("logprobs", "old_logprobs"), logprobs, old_logprobs)
     ratios.check_level_rank(level, len(logprobs.shape))
-    advantages = backend.as_tensor(advantages)
     ratios.check_advantages(advantages, logprobs)
+    _check_max_length(max_length, logprobs, reduction)
     mask = _token_values(mask, logprobs, reduction)
     compute, dtype = dtypes.dtype_pair([logprobs])
     # A masked token may hold anything, in every input (importance weights
@@ -263,17 +305,26 @@ def policy_loss(
     if kind == "reinforce":
         loss = -a * logprobs
     else:
-        log_ratio = ratios.policy_log_ratio(ratios.log_ratio(logprobs, old_logprobs, mask), mask, level)
-        ratio = ratios.exp_clamped(log_ratio)
-        low, high = clip
-        if kind == "importance_sampling":
-            loss = -ratio * a
-        elif kind == "ppo":
-            loss = ops.maximum(-ratio * a, -num.clamp(ratio, 1.0 - low, 1.0 + high) * a)
-            if dual_clip is not None:
-                loss = ops.where(a < 0, ops.minimum(loss, -dual_clip * a), loss)
+        delta = ratios.log_ratio(logprobs, old_logprobs, mask)
+        if kind == "gmpo":
+            loss = kinds.gmpo_loss(delta, a, mask, clip)
+        elif kind == "vespo":
+            loss = kinds.vespo_loss(delta, a, logprobs, vespo_k, vespo_lambda)
         else:
-            loss = -ops.stop_gradient(ops.minimum(ratio, 1.0 + high)) * a * logprobs
+            ratio = ratios.exp_clamped(ratios.policy_log_ratio(delta, mask, level))
+            loss = kinds.ratio_loss(kind, ratio, a, logprobs, clip, dual_clip, sapo_tau)
     if weights is not None:
         loss = loss * weights
-    return dtypes.from_compute(reductions.masked_reduce(loss, mask, reduction), dtype)
+    return dtypes.from_compute(reductions.masked_reduce(loss, mask, reduction, max_length), dtype)
+
+
+def _check_max_length(max_length, logprobs, reduction):
+    """`max_length` at least the tokens axis's length, where both are known."""
+    if reduction != "constant" or max_length is None:
+        return
+    tokens = logprobs.shape[-1]
+    if isinstance(tokens, int) and max_length < tokens:
+        raise ValueError(
+            f"`max_length` ({max_length}) is below the tokens axis's length ({tokens}): it must be at least "
+            "the longest completion (Dr. GRPO's L_max)."
+        )
