@@ -345,9 +345,65 @@ def train_token_objective():
         refs = [keras.ops.stop_gradient(x) - 0.2 for x in (chosen, rejected)]
         return P.preference_loss(chosen, rejected, *refs, beta=0.5, chosen_mask=mask, rejected_mask=rejected_mask)
 
+    def next_kinds(hidden, labels, mask):
+        # The losses after GRPO from hidden states: SAPO on the high-entropy tokens (a global quantile), GMPO,
+        # VESPO, DPPO at Dr. GRPO's constant normaliser (every sequence of the global batch), KTO with its z₀ from
+        # mismatched pairs (a global mean), and DiscoPOP and sigmoid_norm with RPO's NLL and WPO's weights.
+        logits = P.linear(hidden, head.kernel, head.bias)
+        logprobs, entropy, log_sum_sq = P.token_logprobs(
+            labels, logits, mask=mask, chunk_size=4, return_entropy=True, return_log_sum_sq=True
+        )
+        frozen = keras.ops.stop_gradient(logprobs)
+        shift = keras.ops.cast(labels % 3, "float32")
+        advantages = keras.ops.cast(labels[:, 0] % 3, "float32") - 1.0
+        top = keras.ops.cast(P.entropy_mask(entropy, top=0.5, mask=mask), "float32")
+        region = keras.ops.cast(
+            P.trust_region_mask(logprobs, frozen - 0.3 * shift, advantages, divergence="kl", threshold=0.02, mask=mask),
+            "float32",
+        )
+        old = frozen - 0.1 * shift
+        loss = P.policy_loss(logprobs, old, advantages, kind="sapo", weights=top, mask=mask, reduction="sequence_mean")
+        loss += P.policy_loss(logprobs, old, advantages, kind="gmpo", mask=mask, reduction="sequence_mean")
+        loss += P.policy_loss(logprobs, old, advantages, kind="vespo", mask=mask)
+        loss += P.policy_loss(
+            logprobs,
+            frozen - 0.3 * shift,
+            advantages,
+            kind="cispo",
+            clip=(0.0, 2.0),
+            weights=region,
+            mask=mask,
+            reduction="constant",
+            max_length=TOKENS + 2,
+        )
+        loss += P.unpaired_preference_loss(
+            logprobs,
+            frozen - 0.2,
+            advantages > 0,
+            kl_logprobs=frozen + 0.3 * shift,
+            ref_kl_logprobs=frozen,
+            mask=mask,
+            kl_mask=mask,
+        )
+        rejected = P.token_logprobs((labels + 1) % VOCAB, logits, mask=mask, chunk_size=4)
+        refs = [keras.ops.stop_gradient(x) - 0.2 * shift for x in (logprobs, rejected)]
+        loss += P.preference_loss(logprobs, rejected, *refs, kind="discopop", chosen_mask=mask, rejected_mask=mask)
+        return loss + P.preference_loss(
+            logprobs,
+            rejected,
+            *refs,
+            kind="sigmoid_norm",
+            nll=0.3,
+            chosen_mask=mask,
+            rejected_mask=mask,
+            chosen_log_sum_sq=log_sum_sq,
+            rejected_log_sum_sq=log_sum_sq,
+        )
+
     objective = CompositeObjective(
         {
             "grpo": Term(grpo, 0.1, inputs=("hidden", "labels", "mask")),
+            "next": Term(next_kinds, 0.1, inputs=("hidden", "labels", "mask")),
             "off_policy": Term(off_policy, 0.1, inputs=("hidden", "labels", "mask")),
             "preference": Term(preference, 0.1, inputs=("hidden", "labels", "mask")),
             "ent": Term("entropy", 0.1, inputs=("logits",), options={"from_logits": True, "mask": "mask"}),

@@ -48,6 +48,7 @@ def build():
             "l1_sum": Term("l1", 0.001, options={"reduction": "sum"}),
             "ent": Term("entropy", 0.05, options={"from_logits": True}),
             "off_policy": Term(process_models.off_policy_loss, 0.05),
+            "next": Term(process_models.next_kinds_loss, 0.05),
         },
         name="obj",
     )(hidden)

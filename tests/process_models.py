@@ -88,6 +88,57 @@ def off_policy_loss(values, mask=None):
     return loss + 0.5 * P.kl_estimate(logprobs, frozen - 0.3, old_logprobs=frozen - 0.05 * shift, mask=kept)
 
 
+def next_kinds_loss(values, mask=None):
+    """The post-training losses after GRPO on `values` [batch, tokens] read
+    as per-token log-probabilities (−softplus(values)): SAPO on the tokens
+    of high entropy (`entropy_mask`, whose quantile is the global batch's),
+    GMPO, VESPO, DPPO (CISPO on `trust_region_mask`'s tokens) at Dr. GRPO's
+    constant normaliser, and KTO with its baseline z₀ from mismatched pairs
+    (a global mean), over the tokens `mask` keeps ([batch]: a row's tokens;
+    None: those with values > −0.3, uneven across rows)."""
+    from keras import ops
+
+    from keras_penalties import ops as P
+
+    logprobs = -ops.softplus(values)
+    if mask is None:
+        tokens = ops.stop_gradient(values) > -0.3
+    else:
+        tokens = ops.broadcast_to(ops.expand_dims(ops.cast(mask, "bool"), -1), ops.shape(values))
+    frozen = ops.stop_gradient(logprobs)
+    shift = ops.cast(ops.stop_gradient(values) > 0, logprobs.dtype)
+    advantages = ops.stop_gradient(ops.mean(values, axis=-1))
+    entropy = ops.square(ops.stop_gradient(values))
+    top = ops.cast(P.entropy_mask(entropy, top=0.5, mask=tokens), logprobs.dtype)
+    region = ops.cast(
+        P.trust_region_mask(logprobs, frozen - 0.4 * shift, advantages, threshold=0.1, mask=tokens), "float32"
+    )
+    old = frozen - 0.1 * shift
+    sapo = P.policy_loss(logprobs, old, advantages, kind="sapo", weights=top, mask=tokens, reduction="sequence_mean")
+    gmpo = P.policy_loss(logprobs, old, advantages, kind="gmpo", mask=tokens, reduction="sequence_mean")
+    vespo = P.policy_loss(logprobs, old, advantages, kind="vespo", mask=tokens)
+    dppo = P.policy_loss(
+        logprobs,
+        frozen - 0.4 * shift,
+        advantages,
+        kind="cispo",
+        clip=(0.0, 2.0),
+        weights=region,
+        mask=tokens,
+        reduction="constant",
+    )
+    kto = P.unpaired_preference_loss(
+        logprobs,
+        frozen - 0.2,
+        advantages > 0,
+        kl_logprobs=frozen + 0.3 * shift,
+        ref_kl_logprobs=frozen,
+        mask=tokens,
+        kl_mask=tokens,
+    )
+    return sapo + gmpo + vespo + dppo + kto
+
+
 def sequence_kl(values, mask):
     """The k3 KL of `values` read as per-token log-probabilities against
     a shifted reference, averaged over the sequences (rows) that keep a
@@ -127,7 +178,7 @@ def regression():
     model with a `CompositeObjective` inside, `ProximalDecay` around
     `AdaptiveGradientClipping` (built), and an objective on the predictions
     with a masked entropy (a token mean), an off-policy GSPO term, a sum
-    over samples and a sequence mean (`head.compute({"pred": ..., "mask":
+    over samples, a sequence mean and the losses after GRPO (`head.compute({"pred": ..., "mask":
     ...})`)."""
     import keras
 
@@ -157,6 +208,7 @@ def regression():
             "off_policy": Term(off_policy_loss, 0.1, inputs=("pred", "mask")),
             "l1_sum": Term("l1", 0.01, inputs=("pred",), options={"reduction": "sum"}),
             "kl_seq": Term(sequence_kl, 0.1, inputs=("pred", "mask")),
+            "next": Term(next_kinds_loss, 0.1, inputs=("pred", "mask")),
         },
         name="head",
     )

@@ -376,6 +376,7 @@ LOGPROBS = -RNG.uniform(0.1, 3.0, size=(B, 7)).astype("float32")
 REF = (LOGPROBS + RNG.normal(scale=0.3, size=(B, 7))).astype("float32")
 OLD = (LOGPROBS + RNG.normal(scale=0.1, size=(B, 7))).astype("float32")
 ADVANTAGES = RNG.normal(size=(B,)).astype("float32")
+DESIRABLE = np.array([1, 0, 1, 0])
 MEAN, LOG_VAR = RNG.normal(size=(B, 3)).astype("float32"), RNG.normal(scale=0.5, size=(B, 3)).astype("float32")
 
 
@@ -444,6 +445,22 @@ OPS_ON_ARRAYS = {
         lambda: P.preference_reward(LOGPROBS, OLD),
         lambda: np.mean(0.1 * (LOGPROBS.sum(1).astype(np.float64) - OLD.sum(1))),
     ),
+    "trust_region_mask": (
+        lambda: P.trust_region_mask(LOGPROBS, OLD, ADVANTAGES, threshold=0.05),
+        lambda: np.where(
+            ADVANTAGES[:, None] > 0,
+            np.exp(LOGPROBS.astype(np.float64)) - np.exp(OLD) <= 0.05,
+            np.exp(LOGPROBS.astype(np.float64)) - np.exp(OLD) >= -0.05,
+        ),
+    ),
+    "entropy_mask": (
+        lambda: P.entropy_mask(-LOGPROBS),
+        lambda: -LOGPROBS >= np.quantile(-LOGPROBS.astype(np.float64), 0.8),
+    ),
+    "unpaired_preference_loss": (
+        lambda: P.unpaired_preference_loss(LOGPROBS, REF, DESIRABLE, kl_logprobs=OLD, ref_kl_logprobs=REF),
+        lambda: np.mean(_kto_losses()),
+    ),
     "discounted_cumsum": (
         lambda: P.discounted_cumsum(LOGPROBS, 0.5),
         lambda: np.stack([sum(0.5**k * LOGPROBS[:, t + k] for k in range(7 - t)) for t in range(7)], -1),
@@ -457,6 +474,13 @@ def rl_fraction(logprobs, old, advantages):
     ratio = np.exp(logprobs.astype(np.float64) - old)
     a = advantages[:, None]
     return np.mean(((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0)))
+
+
+def _kto_losses():
+    """KTO at β = 0.1, z₀ = max(0, mean of the mismatched pairs' log-ratio sums)."""
+    delta = LOGPROBS.sum(1).astype(np.float64) - REF.sum(1)
+    z0 = max(0.0, np.mean(OLD.sum(1).astype(np.float64) - REF.sum(1)))
+    return np.where(DESIRABLE > 0, 1 - _sigmoid(0.1 * (delta - z0)), 1 - _sigmoid(0.1 * (z0 - delta)))
 
 
 def _two_ids_and_rest():

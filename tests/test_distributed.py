@@ -94,6 +94,7 @@ def test_two_devices_match_one(mode):
         "tokens/history/tok/ce_fused_all",
         "tokens/history/tok/off_policy",
         "tokens/history/tok/preference",
+        "tokens/history/tok/next",
         "tokens/history/loss",
         "famo/objective/famo_logits",
         "famo/history/fobj/l1_sum/weight",

@@ -157,6 +157,26 @@ CASES = {
         (),
     ),
     "discounted_cumsum": (lambda values: P.discounted_cumsum(values, 0.9, mask=M), ("values",), ("values",)),
+    "trust_region_mask": (
+        lambda logprobs, old, advantages: P.trust_region_mask(
+            logprobs, old, advantages, divergence="kl", threshold=0.05, mask=M
+        ),
+        ("logprobs", "old", "advantages"),
+        (),
+    ),
+    "entropy_mask": (lambda values: P.entropy_mask(values, top=0.4, mask=M), ("values",), ()),
+    "unpaired_preference_loss": (
+        lambda logprobs, ref, old, sequence_advantages: P.unpaired_preference_loss(
+            logprobs, ref, sequence_advantages > 0, kl_logprobs=old, ref_kl_logprobs=ref, mask=M, kl_mask=M
+        ),
+        ("logprobs", "ref", "old", "sequence_advantages"),
+        ("logprobs",),
+    ),
+    "token_logprobs/log_sum_sq": (
+        lambda labels, q: P.token_logprobs(labels, q, mask=M, return_entropy=True, return_log_sum_sq=True),
+        ("labels", "q"),
+        ("q",),
+    ),
     "preference_reward": (
         lambda chosen, rejected, ref_chosen, ref_rejected: P.preference_reward(
             chosen, rejected, ref_chosen, ref_rejected, chosen_mask=CM, rejected_mask=RM
@@ -165,21 +185,49 @@ CASES = {
         (),
     ),
 }
-for _kind in ("reinforce", "importance_sampling", "ppo", "cispo"):
-    for _level in ("token", "sequence", "sequence_token") if _kind != "reinforce" else ("token",):
+for _kind in ("reinforce", "importance_sampling", "ppo", "cispo", "sapo", "gmpo", "vespo"):
+    for _level in (
+        ("token", "sequence", "sequence_token")
+        if _kind in ("importance_sampling", "ppo", "cispo", "sapo")
+        else ("token",)
+    ):
         for _advantages, _weights in (("advantages", "weights"), ("sequence_advantages", "sequence_weights")):
+            if _kind == "gmpo" and _advantages == "advantages":
+                continue  # one advantage a sequence
             CASES[f"policy_loss/{_kind}/{_level}/{_advantages}"] = (
                 lambda logprobs, old, a, w, kind=_kind, level=_level: P.policy_loss(
-                    logprobs, None if kind == "reinforce" else old, a, kind=kind, level=level, weights=w, mask=M
+                    logprobs,
+                    None if kind == "reinforce" else old,
+                    a,
+                    kind=kind,
+                    level=level,
+                    weights=w,
+                    mask=M,
+                    reduction="constant" if kind == "sapo" else "mean",
                 ),
                 ("logprobs", "old", _advantages, _weights),
                 ("logprobs",),
             )
-for _kind in ("sigmoid", "ipo", "nca_pair", "simpo", "orpo"):
+# Each with one of the options that read the sides' tokens: RPO's NLL, WPO's weights, a divergence.
+_PREFERENCE_OPTIONS = {
+    "sigmoid": {"nll": 0.5},
+    "ipo": {"divergence": "forward_kl"},
+    "nca_pair": {},
+    "simpo": {},
+    "orpo": {"nll": 1.0},
+    "bco_pair": {},
+    "exo_pair": {"label_smoothing": 0.01},
+    "discopop": {"divergence": "alpha_divergence"},
+    "sigmoid_norm": {
+        "chosen_log_sum_sq": np.where(CHOSEN_MASK, -1.5, np.nan).astype("float32"),
+        "rejected_log_sum_sq": np.where(REJECTED_MASK, -1.2, np.inf).astype("float32"),
+    },
+}
+for _kind, _options in _PREFERENCE_OPTIONS.items():
     _free = _kind in ("simpo", "orpo")
     CASES[f"preference_loss/{_kind}"] = (
-        lambda chosen, rejected, *refs, kind=_kind: P.preference_loss(
-            chosen, rejected, *refs, kind=kind, chosen_mask=CM, rejected_mask=RM
+        lambda chosen, rejected, *refs, kind=_kind, options=_options: P.preference_loss(
+            chosen, rejected, *refs, kind=kind, chosen_mask=CM, rejected_mask=RM, **options
         ),
         ("chosen", "rejected") + (() if _free else ("ref_chosen", "ref_rejected")),
         ("chosen", "rejected"),
