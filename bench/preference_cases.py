@@ -5,7 +5,8 @@ kernel, float32: `ops.token_logprobs` on `ops.linear` for each side and
 `ops.preference_loss` against the obvious path as TRL writes it (each
 side's logits formed, a log-softmax, a gather, the masked sums, then
 −log σ(β·h)). The reference's sums are precomputed (TRL's
-`precompute_ref_log_probs`)."""
+`precompute_ref_log_probs`). And a KTO step from the chosen sides alone,
+each example desirable or not, against the same obvious path."""
 
 import os
 
@@ -70,6 +71,31 @@ def obvious(chosen_mask, rejected_mask, chosen_labels, rejected_labels, ref_chos
     return ops.mean(-ops.log_sigmoid(BETA * h))
 
 
+def kto_inputs(small):
+    """KTO's examples (the chosen side of `inputs`: 8 completions of 128
+    tokens), their labels desirable or not, the reference's sums and z₀
+    (precomputed, as TRL computes the mismatched pairs' log-probabilities
+    without a gradient), then the differentiated hidden states and kernel."""
+    mask, _, labels, _, ref, _, hidden, _, kernel = inputs(small)
+    desirable = ops.convert_to_tensor(np.arange(PAIRS) % 2 == 0)
+    return [mask, labels, ref, desirable, ops.convert_to_tensor(np.float32(0.5)), hidden, kernel]
+
+
+def kto_fused(mask, labels, ref, desirable, z0, hidden, kernel):
+    logprobs = P.token_logprobs(labels, P.linear(hidden, kernel), mask=mask, chunk_size=CHUNK)
+    return P.unpaired_preference_loss(logprobs, ref, desirable, beta=BETA, kl_baseline=z0, mask=mask)
+
+
+def kto_obvious(mask, labels, ref, desirable, z0, hidden, kernel):
+    """As TRL writes it: the logits formed, log-softmax and gather, the sums,
+    1 − σ(β(Δ − z₀)) for the desirable and 1 − σ(β(z₀ − Δ)) for the others."""
+    rows = ops.reshape(hidden, (-1, ops.shape(hidden)[-1]))
+    logprobs = _selective_log_softmax(ops.reshape(labels, (-1,)), native.matmul(rows, kernel))
+    delta = ops.sum(ops.reshape(logprobs, ops.shape(labels)) * mask, axis=1) - ref
+    losses = ops.where(desirable, 1.0 - ops.sigmoid(BETA * (delta - z0)), 1.0 - ops.sigmoid(BETA * (z0 - delta)))
+    return ops.mean(losses)
+
+
 PREFERENCE_CASES = [
     Case(
         "DPO step (sigmoid) value+grad from hidden states, chosen and rejected 1024 tokens each [256 → 128256], fused",
@@ -77,6 +103,14 @@ PREFERENCE_CASES = [
         "memory ≤ 0.10, time ≤ 1.40",
         gradient_sides(inputs, fused, obvious, count=3),
         1.40,
+        0.10,
+    ),
+    Case(
+        "KTO step value+grad from hidden states, 8 completions of 128 tokens [256 → 128256], fused",
+        "the obvious path (the logits formed, log-softmax, gather, sums, as TRL writes it)",
+        "memory ≤ 0.10",
+        gradient_sides(kto_inputs, kto_fused, kto_obvious),
+        None,
         0.10,
     ),
 ]

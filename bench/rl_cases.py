@@ -5,10 +5,10 @@ log-softmax of the formed logits, then a gather, as TRL's
 `selective_log_softmax` writes it); post-training rows: with the entropy from
 the same chunks against without it, a frozen head against the formed
 logits with the same frozen head, a soft-capped head against the same
-uncapped; and a GRPO loss step (PPO-clipped policy loss + β·k3 to
-reference log-probabilities) fused against the same written the obvious
-way. Value + gradients w.r.t. the hidden states and the kernel,
-float32."""
+uncapped, with log Σp² (WPO's input) against without it; and a GRPO
+loss step (PPO-clipped policy loss + β·k3 to reference log-probabilities)
+and a SAPO loss step fused against the same written the obvious way.
+Value + gradients w.r.t. the hidden states and the kernel, float32."""
 
 import os
 
@@ -94,6 +94,30 @@ def _grpo_obvious(w, y, old, ref, h, k):
     return ops.sum((policy + BETA * kl) * mask) / ops.maximum(ops.sum(mask), 1.0)
 
 
+SAPO_TAU = (1.0, 1.05)
+
+
+def _sapo_fused(w, y, old, ref, h, k):
+    mask = ops.not_equal(w, 0.0)
+    logprobs = P.token_logprobs(y, P.linear(h, k), mask=mask, chunk_size=CHUNK)
+    return P.policy_loss(logprobs, old, w, kind="sapo", mask=mask)
+
+
+def _sapo_obvious(w, y, old, ref, h, k):
+    """SAPO as TRL writes it: formed logits, a log-softmax and a gather, the
+    gate σ(τ(r − 1))·4/τ with τ by the advantage's sign, a token mean."""
+    mask = ops.cast(ops.not_equal(w, 0.0), "float32")
+    ratio = ops.exp(_selective_log_softmax(y, native.matmul(h, k)) - old)
+    tau = ops.where(w > 0, SAPO_TAU[0], SAPO_TAU[1])
+    loss = -ops.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * w
+    return ops.sum(loss * mask) / ops.maximum(ops.sum(mask), 1.0)
+
+
+def _with_log_sum_sq(w, y, old, ref, h, k):
+    logprobs, log_sum_sq = P.token_logprobs(y, P.linear(h, k), chunk_size=CHUNK, return_log_sum_sq=True)
+    return _weighted(logprobs, w) + 0.0 * ops.sum(log_sum_sq)
+
+
 def _with_entropy(w, y, old, ref, h, k):
     logprobs, entropy = P.token_logprobs(y, P.linear(h, k), chunk_size=CHUNK, return_entropy=True)
     return _weighted(logprobs, w) + 0.01 * ops.sum(entropy)
@@ -140,6 +164,13 @@ RL_CASES = [
         1.10,
     ),
     Case(
+        NAME + ", with return_log_sum_sq=True",
+        "token_logprobs alone",
+        "time ≤ 1.05",
+        gradient_sides(_inputs, _with_log_sum_sq, _LOGPROBS["fused"]),
+        1.05,
+    ),
+    Case(
         NAME + ", frozen head (hidden gradient only)",
         "our call on the logits formed first, the same frozen head",
         "time ≤ 1.10",
@@ -158,5 +189,13 @@ RL_CASES = [
         "the same written the obvious way (formed logits, log-softmax, gather)",
         "reported",
         gradient_sides(_inputs, _grpo_fused, _grpo_obvious),
+    ),
+    Case(
+        "SAPO loss step value+grad from hidden states [2048×256 → 128256], fused",
+        "the same written the obvious way (formed logits, log-softmax, gather)",
+        "memory ≤ 0.10",
+        gradient_sides(_inputs, _sapo_fused, _sapo_obvious),
+        None,
+        0.10,
     ),
 ]

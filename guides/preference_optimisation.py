@@ -17,7 +17,8 @@ causal LM, on JAX, TensorFlow and PyTorch alike:
    tokens at a time (`ops.linear`: no `[tokens, vocab]` logits, forward or
    backward), with TRL's reward logs beside it (`ops.preference_reward` as
    weight-0 terms): the reward margin and the accuracy rise;
-4. switching to IPO, SimPO or ORPO.
+4. switching to IPO, SimPO or ORPO;
+5. KTO on unpaired data: each completion alone, desirable or not.
 
 The formulas, which library calls each loss what, and the memory saved are
 on the [Preference optimisation](../docs/preference_optimisation.md) page.
@@ -154,12 +155,6 @@ def preference_model(backbone, kind="sigmoid", **options):
         "margin": Term("preference_reward", 0.0, inputs=sides, options={"statistic": "margin", "kind": kind, **masks}),
         "accuracy": Term("preference_reward", 0.0, inputs=sides, options={"statistic": "accuracy", "kind": kind, **masks}),
     }
-    if kind == "orpo":
-        # ORPO's NLL on the chosen completion, beside its odds-ratio term.
-        terms["nll"] = Term(
-            "policy_loss", inputs=("chosen", "chosen", "ones"), options={"kind": "reinforce", "mask": "chosen_mask"}
-        )
-        tensors["ones"] = keras.ops.ones_like(inputs["chosen_mask"][:, 0])
     out = CompositeObjective(terms, name=kind)(tensors)["chosen"]
     model = keras.Model(inputs, out)
     model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=None)
@@ -215,11 +210,68 @@ rises towards 1.
 The kind is one option. IPO (`kind="ipo"`) regresses h, from mean token
 log-probabilities, onto 1/(2β); SimPO (`kind="simpo"`, `gamma=` its target
 margin) and ORPO (`kind="orpo"`) need no reference model, so their terms
-read the two sides alone; ORPO adds the NLL of the chosen completion as a
-term of its own (here `policy_loss(kind="reinforce")` with an advantage of
-1: −mean log p over the chosen's kept tokens). A few steps of SimPO:
+read the two sides alone; `nll=1.0` adds ORPO's NLL of the chosen
+completion (−mean log p over its kept tokens: `kind="orpo", nll=1.0` is
+TRL's ORPO loss; beside `"sigmoid"` it is RPO). A few steps of SimPO:
 """
 
 if keras_hub is not None:
     simpo = preference_model(policy.backbone, kind="simpo", beta=2.0, gamma=0.5)
     train(simpo, 4, rng, with_reference=False, label="simpo")
+
+"""
+## 5. KTO on unpaired data
+
+KTO needs no pairs: one completion a prompt, labelled desirable or not
+(here: the chosen and the rejected of the pairs above, each on its own).
+Its loss moves each completion's log-ratio to the reference, Δ, away from a
+baseline z₀ — up for the desirable, down for the others — and z₀ comes
+from mismatched pairs: each prompt with the previous example's completion,
+as TRL builds them, scored by the policy (without a gradient) and by the
+reference. `ops.unpaired_preference_loss` takes them as `kl_logprobs` and
+`ref_kl_logprobs`; z₀ is their mean log-ratio, at least 0.
+"""
+
+
+def kto_model(backbone):
+    inputs = {**sequence_inputs("x"), **sequence_inputs("kl")}
+    for name in ("ref", "ref_kl"):
+        inputs[name] = keras.Input((LENGTH - 1,), name=name)
+    inputs["desirable"] = keras.Input((), name="desirable")
+    head = TokenLogprobs(backbone.token_embedding)
+    tensors = {k: inputs[k] for k in ("ref", "ref_kl", "desirable", "x_mask", "kl_mask")}
+    for side in ("x", "kl"):
+        hidden = backbone({"token_ids": inputs[f"{side}_ids"], "padding_mask": keras.ops.ones_like(inputs[f"{side}_ids"])})
+        tensors[side] = head(hidden, inputs[f"{side}_labels"], inputs[f"{side}_mask"])
+    tensors["kl"] = keras.ops.stop_gradient(tensors["kl"])
+    options = {"beta": BETA, "mask": "x_mask", "kl_logprobs": "kl", "ref_kl_logprobs": "ref_kl", "kl_mask": "kl_mask"}
+    term = Term("unpaired_preference_loss", inputs=("x", "ref", "desirable"), options=options)
+    out = CompositeObjective({"loss": term}, name="kto")(tensors)["x"]
+    model = keras.Model(inputs, out)
+    model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=None)
+    return model
+
+
+def unpaired(rng):
+    """Each pair's chosen (desirable) and rejected (undesirable) alone, and
+    each prompt with the previous example's completion (the mismatched pairs)."""
+    chosen, rejected = pairs(rng)
+    tokens = np.concatenate([chosen, rejected])
+    mismatched = np.concatenate([tokens[:, :PROMPT], np.roll(tokens[:, PROMPT:], 1, axis=0)], axis=1)
+    completion = (np.arange(LENGTH - 1)[None, :] >= PROMPT - 1).repeat(len(tokens), 0).astype("float32")
+    data = {"desirable": np.repeat([1.0, 0.0], PAIRS).astype("float32")}
+    for side, ids in (("x", tokens), ("kl", mismatched)):
+        data.update({f"{side}_ids": ids[:, :-1], f"{side}_labels": ids[:, 1:], f"{side}_mask": completion})
+    for side, name in (("x", "ref"), ("kl", "ref_kl")):
+        scored = {f"{s}_{k}": data[f"{side}_{k}"] for s in ("chosen", "rejected") for k in ("ids", "labels", "mask")}
+        data[name] = np.asarray(reference_scorer.predict_on_batch(scored)[0])
+    return data
+
+
+if keras_hub is not None:
+    kto = kto_model(policy.backbone)
+    for step in range(4):
+        logs = kto.fit(unpaired(rng), batch_size=2 * PAIRS, epochs=1, verbose=0, callbacks=[PenaltyMonitor()]).history
+        if step == 0:
+            kto_first = logs["kto/loss"][0]
+    print(f"kto loss: {kto_first:.4f} at the first step -> {logs['kto/loss'][0]:.4f} at the last")

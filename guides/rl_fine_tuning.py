@@ -148,7 +148,7 @@ def token_inputs():
     }
 
 
-def rl_model(backbone):
+def rl_model(backbone, policy_term=None):
     inputs = {
         **token_inputs(),
         "advantages": keras.Input((), name="advantages"),
@@ -162,13 +162,14 @@ def rl_model(backbone):
         logits = P.linear(hidden, backbone.token_embedding.embeddings, transpose_kernel=True)
         return -P.entropy(logits, from_logits=True, mask=mask, chunk_size=CHUNK)
 
+    grpo = Term(
+        "policy_loss",
+        inputs=("logprobs", "old_logprobs", "advantages"),
+        options={"mask": "mask", "clip": (0.2, 0.28), "reduction": "sequence_mean"},
+    )
     objective = CompositeObjective(
         {
-            "policy": Term(
-                "policy_loss",
-                inputs=("logprobs", "old_logprobs", "advantages"),
-                options={"mask": "mask", "clip": (0.2, 0.28), "reduction": "sequence_mean"},
-            ),
+            "policy": policy_term or grpo,
             "kl": Term("kl_estimate", BETA, inputs=("logprobs", "ref_logprobs"), options={"mask": "mask"}),
             "entropy": Term(entropy_bonus, BONUS, inputs=("hidden", "mask")),
         },
@@ -240,7 +241,32 @@ levels off near ln 4 ≈ 1.39 nats a token: the least any policy that samples
 only the 8 rewarded tokens can have from a near-uniform start. The β·k3 term
 holds it there, and the entropy bonus keeps the policy spread over the 8
 (at 50 steps the entropy settles near 2.2 nats, above ln 8 ≈ 2.08).
+
+## DPPO and SAPO beside GRPO
+
+Another policy loss is one term. DPPO keeps a token's gradient only while
+its probability stays within a trust region around the sampler's
+(`ops.trust_region_mask`, here |p − p_old| ≤ 0.15 on the side the advantage
+pushes) and trains those with CISPO's truncated loss (truncated at C = 3,
+verl's default); SAPO replaces PPO's clip with a soft gate
+(`policy_loss(kind="sapo")`). A few DPPO steps from where GRPO left off:
 """
+
+
+def dppo(logprobs, old_logprobs, advantages, mask):
+    kept = P.trust_region_mask(logprobs, old_logprobs, advantages, threshold=0.15, mask=mask)
+    weights = keras.ops.cast(kept, "float32")
+    return P.policy_loss(logprobs, old_logprobs, advantages, kind="cispo", clip=(0.0, 2.0), weights=weights, mask=mask)
+
+
+if keras_hub is not None:
+    dppo_model = rl_model(policy.backbone, Term(dppo, inputs=("logprobs", "old_logprobs", "advantages", "mask")))
+    for step in range(3):
+        rewards, data = batch(sample(rng))
+        logs = dppo_model.fit(data, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[PenaltyMonitor()])
+    print(f"dppo: reward {rewards.mean():.3f}, policy {logs.history['grpo/policy'][0]:+.4f} at the last step")
+    # SAPO: rl_model(policy.backbone, Term("policy_loss", inputs=("logprobs", "old_logprobs",
+    # "advantages"), options={"kind": "sapo", "mask": "mask"})).
 
 """
 ## 4. Off-policy: a sampler that is not the trainer
