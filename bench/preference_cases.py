@@ -72,11 +72,12 @@ def obvious(chosen_mask, rejected_mask, chosen_labels, rejected_labels, ref_chos
 
 
 def kto_inputs(small):
-    """KTO's examples (the chosen side of `inputs`: 8 completions of 128
-    tokens), their labels desirable or not, the reference's sums and z₀
-    (precomputed, as TRL computes the mismatched pairs' log-probabilities
-    without a gradient), then the differentiated hidden states and kernel."""
-    mask, _, labels, _, ref, _, hidden, _, kernel = inputs(small)
+    """KTO's examples (the chosen side of `inputs` at 2048 tokens: 8
+    completions of 256), their labels desirable or not, the reference's sums
+    and z₀ (precomputed, as TRL computes the mismatched pairs'
+    log-probabilities without a gradient), then the differentiated hidden
+    states and kernel."""
+    mask, _, labels, _, ref, _, hidden, _, kernel = inputs(small, tokens=2048)
     desirable = ops.convert_to_tensor(np.arange(PAIRS) % 2 == 0)
     return [mask, labels, ref, desirable, ops.convert_to_tensor(np.float32(0.5)), hidden, kernel]
 
@@ -106,7 +107,7 @@ PREFERENCE_CASES = [
         0.10,
     ),
     Case(
-        "KTO step value+grad from hidden states, 8 completions of 128 tokens [256 → 128256], fused",
+        "KTO step value+grad from hidden states, 8 completions of 256 tokens [2048×256 → 128256], fused",
         "the obvious path (the logits formed, log-softmax, gather, sums, as TRL writes it)",
         "memory ≤ 0.10",
         gradient_sides(kto_inputs, kto_fused, kto_obvious),

@@ -185,3 +185,42 @@ def test_a_soft_capped_gemma_fine_tunes_through_token_logprobs_as_from_its_logit
     assert histories[0][-1] < histories[0][0]
     for a, b in zip(reference.backbone.get_weights(), fused_backbone.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["gemma", "gpt2", "llama"])
+def test_linear_of_the_head_layer_gives_the_models_own_logits(model):
+    # The layer says its kernel, orientation and soft cap: Gemma's capped tied embedding, GPT-2's tied one, an
+    # untied reversible embedding (Llama's), each equal to the model's own logits; the tensor path without the
+    # cap (the silent trap it replaces) is not.
+    if model == "gemma":
+        causal_lm = _gemma(1, seed=5)
+    elif model == "gpt2":
+        causal_lm = _gpt2(1, seed=5)
+    else:
+        keras.utils.set_random_seed(5)
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=VOCAB,
+            num_layers=1,
+            num_query_heads=2,
+            num_key_value_heads=1,
+            hidden_dim=16,
+            intermediate_dim=32,
+            tie_word_embeddings=False,
+        )
+        causal_lm = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    backbone = causal_lm.backbone
+    hidden = backbone(X)
+    expected = to_numpy(causal_lm(X))
+    got = to_numpy(P.linear(hidden, backbone.token_embedding).materialise("float32"))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    labels = X["token_ids"]
+    fused = P.token_logprobs(labels, P.linear(hidden, backbone.token_embedding), chunk_size=5)
+    formed = np.take_along_axis(expected - np.log(np.exp(expected).sum(-1, keepdims=True)), labels[..., None], -1)[
+        ..., 0
+    ]
+    np.testing.assert_allclose(to_numpy(fused), formed, rtol=1e-4, atol=1e-5)
+    if model == "gemma":
+        uncapped = to_numpy(
+            P.linear(hidden, backbone.token_embedding.embeddings, transpose_kernel=True).materialise("float32")
+        )
+        assert np.abs(uncapped - expected).max() > 0.1

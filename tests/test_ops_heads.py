@@ -706,3 +706,22 @@ def test_torch_heads_take_several_backward_passes_over_one_forward_pass():
         got = torch.autograd.grad(scale * value, [hidden, kernel], retain_graph=True)
         for g, e in zip(got, expected):
             np.testing.assert_allclose(to_numpy(g), scale * e, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_of_a_layer_refuses_what_the_layer_says():
+    dense = keras.layers.Dense(11)
+    dense.build((None, 16))
+    hidden = np.ones((2, 16), "float32")
+    np.testing.assert_allclose(
+        to_numpy(P.linear(hidden, dense).materialise("float32")), to_numpy(dense(hidden)), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(ValueError, match=r"which says its bias, orientation and soft cap: leave `soft_cap`"):
+        P.linear(hidden, dense, soft_cap=30.0)
+    with pytest.raises(ValueError, match=r"leave `bias`, `transpose_kernel`"):
+        P.linear(hidden, dense, np.zeros(11), transpose_kernel=True)
+    activated = keras.layers.Dense(11, activation="softmax", name="probs")
+    activated.build((None, 16))
+    with pytest.raises(ValueError, match=r"`kernel`: probs has an activation"):
+        P.linear(hidden, activated)
+    with pytest.raises(TypeError, match=r"`kernel` must be a tensor, a keras.layers.Dense or a reversible embedding"):
+        P.linear(hidden, keras.layers.LayerNormalization())

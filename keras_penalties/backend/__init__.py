@@ -142,11 +142,12 @@ names, and importing fails if one is defined by neither):
   they were; the tensors themselves where there is one. On torch no
   gradient flows through the sum (the package sums counts and frozen
   values).
-- `gather_over_replicas(tensors)`: each tensor's values on every replica
-  in sync, concatenated along axis 0 in replica order, with no gradient
-  (a quantile over the global batch: `ops.entropy_mask`); the tensors
-  themselves where there is one (a JAX batch sharded over devices is one
-  array already).
+- `gather_over_replicas(tensors, keep_losses_of=None)`: each tensor's
+  values on every replica in sync, concatenated along axis 0 in replica
+  order, with no gradient (a quantile over the global batch:
+  `ops.entropy_mask`), keeping add_loss lists as `sum_over_replicas`
+  does; the tensors themselves where there is one (a JAX batch sharded
+  over devices is one array already).
 - `variable_home(model=None)`: where a variable made now (or `model`'s
   variables) lives: the `tf.distribute` strategy, the Keras distribution
   on JAX; None outside any (and always on torch).

@@ -230,7 +230,7 @@ def sum_over_replicas(tensors, keep_losses_of=None):
     return list(tensors)
 
 
-def gather_over_replicas(tensors):
+def gather_over_replicas(tensors, keep_losses_of=None):
     return list(tensors)
 
 

@@ -33,9 +33,10 @@ def replicas_in_sync():
     return distributed.get_world_size()
 
 
-def gather_over_replicas(tensors):
+def gather_over_replicas(tensors, keep_losses_of=None):
     """Each tensor's values on every process, concatenated along axis 0 in
-    rank order, without a gradient (every process's tensor of one shape)."""
+    rank order, without a gradient (every process's tensor of one shape).
+    Torch keeps one list of added losses per process: nothing to keep."""
     gathered = []
     for t in tensors:
         parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]

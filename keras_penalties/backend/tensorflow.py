@@ -135,9 +135,10 @@ def sum_over_replicas(tensors, keep_losses_of=None):
     return tensors
 
 
-def gather_over_replicas(tensors):
+def gather_over_replicas(tensors, keep_losses_of=None):
     tensors = [tf.stop_gradient(t) for t in tensors]
-    return list(tf.distribute.get_replica_context().all_gather(tensors, axis=0))
+    with _keras_internals.added_losses_kept(keep_losses_of):
+        return list(tf.distribute.get_replica_context().all_gather(tensors, axis=0))
 
 
 def loss_replicas():

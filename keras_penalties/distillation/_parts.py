@@ -9,6 +9,7 @@ import keras
 
 from keras_penalties import _keras_internals
 from keras_penalties import ops as penalties
+from keras_penalties.ops.heads import layer_head
 
 
 class Head:
@@ -24,35 +25,16 @@ class Head:
             raise TypeError(f"`{argument}` must be a layer of {model.name} or its name; got {head!r}.")
         hidden, kwargs = _keras_internals.head_call(model, head, argument)
         self.layer = head
-        if hasattr(head, "tie_weights") and hasattr(head, "embeddings"):  # a reversible (tied) embedding
-            self.kind = "tied" if head.tie_weights else "untied"
-        elif isinstance(head, keras.layers.Dense):
-            if head.activation is not keras.activations.linear:
-                raise ValueError(f"`{argument}`: {head.name} has an activation; a fused head must be linear (logits).")
-            self.kind = "dense"
-        else:
-            raise TypeError(
-                f"`{argument}` must be a keras.layers.Dense or a reversible embedding (keras-hub's "
-                f"ReversibleEmbedding); got {type(head).__name__}."
-            )
-        if getattr(head, "quantization_mode", None):
-            raise ValueError(f"`{argument}`: {head.name} is quantized; a fused head needs a float kernel.")
-        if self.kind != "dense" and not kwargs.get("reverse"):
+        layer_head(head, argument)  # a Dense or a reversible embedding, linear and not quantized
+        if not isinstance(head, keras.layers.Dense) and not kwargs.get("reverse"):
             raise ValueError(f"`{argument}`: {head.name} produces {model.name}'s output without `reverse=True`.")
         inputs = model.input
         self.hidden_model = keras.Model(inputs, hidden, name=f"{model.name}_hidden_states")
 
     def logits(self, hidden):
-        """`ops.linear` of `hidden` through the head (soft-capped as a
-        reversible embedding's `logit_soft_cap` says: Gemma 2's heads)."""
-        head = self.layer
-        if self.kind == "tied":
-            return penalties.linear(
-                hidden, head.embeddings, transpose_kernel=True, soft_cap=getattr(head, "logit_soft_cap", None)
-            )
-        if self.kind == "untied":
-            return penalties.linear(hidden, head.reverse_embeddings, soft_cap=getattr(head, "logit_soft_cap", None))
-        return penalties.linear(hidden, head.kernel, head.bias if head.use_bias else None)
+        """`ops.linear` of `hidden` through the head layer, which says its
+        kernel, bias, orientation and soft cap (Gemma 2's heads)."""
+        return penalties.linear(hidden, self.layer)
 
 
 def _snake(name):

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 
 from keras import ops
 
+from keras_penalties._types import Tensor
 from keras_penalties.ops import _numerics as num
 
 # TRL's f-divergence scores clamp their exponents: here at 40, so that
@@ -21,11 +22,11 @@ class Pair(NamedTuple):
     log-ratios to the reference, c − c_ref and r − r_ref; and h, the
     difference of their scores."""
 
-    c: object
-    r: object
-    chosen: object
-    rejected: object
-    h: object
+    c: Tensor
+    r: Tensor
+    chosen: Tensor
+    rejected: Tensor
+    h: Tensor
 
 
 class Options(NamedTuple):
@@ -36,7 +37,7 @@ class Options(NamedTuple):
 
 
 class Kind(NamedTuple):
-    loss: Callable[[Pair, Options], object]
+    loss: Callable[[Pair, Options], Tensor]
     mean: bool = False  # a sequence's value is its kept tokens' mean
     reference_free: bool = False
     on_h: bool = False  # built on h: takes a `divergence`

@@ -31,6 +31,14 @@ def global_token_means(layer=None):
         _GLOBAL.reset(token)
 
 
+def forward_pass_layer():
+    """The layer whose forward pass `global_token_means` runs in (None
+    outside one): a cross-replica step there must leave its add_loss lists
+    as they were."""
+    scope = _GLOBAL.get()
+    return scope[0] if scope else None
+
+
 def global_means_active():
     """Whether a masked mean is the global batch's here: within
     `global_token_means` under several replicas."""
@@ -50,15 +58,23 @@ def kept_divisor(count, floor=1.0):
     return _replicas.global_divisor(count, floor, keep_losses_of=scope[0])
 
 
+def whole_batch_sums(tensors):
+    """Each tensor summed over the replicas where masked means are the
+    global batch's (`global_means_active`; no gradient), so that every
+    replica holds the whole batch's; as they are elsewhere."""
+    scope = _GLOBAL.get()
+    n = _replicas.in_sync()
+    if not scope or n == 1:
+        return list(tensors)
+    return [t * float(n) for t in _replicas.mean_in_sync(tensors, keep_losses_of=scope[0])]
+
+
 def whole_batch_mean(total, count):
     """total / count, 0 where count is 0, over the whole global batch where
-    masked means are the global batch's (`global_means_active`): both
-    summed over the replicas first, so that every replica holds the same
-    value (a statistic the loss reads, such as KTO's z₀, not a loss that
-    Keras divides)."""
-    scope = _GLOBAL.get()
-    if scope and _replicas.in_sync() > 1:
-        total, count = _replicas.mean_in_sync([total, count], keep_losses_of=scope[0])
+    masked means are the global batch's (`whole_batch_sums`): every
+    replica holds the same value (a statistic the loss reads, such as KTO's
+    z₀, or a log; not a loss that Keras divides)."""
+    total, count = whole_batch_sums([total, count])
     safe = ops.where(count > 0, count, ops.ones_like(count))
     return ops.where(count > 0, total / safe, ops.zeros_like(total))
 

@@ -10,7 +10,9 @@ linear losses, on every Keras backend).
 """
 
 import functools
+from typing import Any
 
+import keras
 from keras import ops
 
 from keras_penalties import _validation as check
@@ -21,10 +23,34 @@ from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._tokens import LinearLogits, token_columns, token_level
 
 
+def layer_head(layer: Any, argument: str = "kernel") -> tuple[Any, Any, bool, float | None]:
+    """`(kernel, bias, transpose_kernel, soft_cap)` of a vocabulary
+    projection layer: a `keras.layers.Dense` (linear: its kernel and bias),
+    or a reversible embedding (keras-hub's `ReversibleEmbedding`; tied: its
+    embeddings, transposed; untied: its reverse embeddings), with its
+    `logit_soft_cap` (Gemma 2's heads). `argument` names it in errors."""
+    cap = getattr(layer, "logit_soft_cap", None) or None
+    if getattr(layer, "quantization_mode", None):
+        raise ValueError(f"`{argument}`: {layer.name} is quantized; a fused head needs a float kernel.")
+    if hasattr(layer, "tie_weights") and hasattr(layer, "embeddings"):
+        if layer.tie_weights:
+            return layer.embeddings, None, True, cap
+        return layer.reverse_embeddings, None, False, cap
+    if isinstance(layer, keras.layers.Dense):
+        if layer.activation is not keras.activations.linear:
+            raise ValueError(f"`{argument}`: {layer.name} has an activation; a head's output must be its logits.")
+        return layer.kernel, (layer.bias if layer.use_bias else None), False, None
+    tensor = "a tensor, " if argument == "kernel" else ""
+    raise TypeError(
+        f"`{argument}` must be {tensor}a keras.layers.Dense or a reversible embedding (keras-hub's "
+        f"ReversibleEmbedding); got {type(layer).__name__}."
+    )
+
+
 @check.options(transpose_kernel=check.boolean, soft_cap=check.optional(check.positive))
 def linear(
     hidden: TensorLike,
-    kernel: TensorLike,
+    kernel: TensorLike | keras.layers.Layer,
     bias: TensorLike | None = None,
     *,
     transpose_kernel: bool = False,
@@ -48,7 +74,11 @@ def linear(
         kernel: [H, V], a `keras.layers.Dense` kernel; or [V, H] with
             `transpose_kernel=True`, a tied embedding such as keras-hub's
             `ReversibleEmbedding.embeddings` (read transposed in place,
-            never copied).
+            never copied); or the head layer itself, a `Dense` or a
+            keras-hub `ReversibleEmbedding` (`causal_lm.backbone.
+            token_embedding`), which says its kernel, bias, orientation and
+            soft cap: `linear(hidden, layer)` forms a keras-hub model's
+            logits as its own head does, Gemma's cap included.
         bias: None, or [V].
         transpose_kernel: whether `kernel` is [V, H].
         soft_cap: None, or c > 0: the logits are c·tanh(z / c) of
@@ -61,7 +91,11 @@ def linear(
 
     Raises:
         ValueError: `kernel` not of rank 2, its H axis not `hidden`'s last
-            axis, `bias` not of shape [V], or `soft_cap` ≤ 0.
+            axis, `bias` not of shape [V], or `soft_cap` ≤ 0; with a layer,
+            `bias`, `transpose_kernel` or `soft_cap` given (the layer says
+            them), a Dense with an activation, a quantized layer.
+        TypeError: a layer that is neither a Dense nor a reversible
+            embedding.
 
     Example:
 
@@ -74,6 +108,22 @@ def linear(
     >>> round(float(P.cross_entropy([0], logits, chunk_size=1)), 6)  # −ln(3/4)
     0.287682
     """
+    if isinstance(kernel, keras.layers.Layer):
+        given = [
+            name
+            for name, set_ in (
+                ("bias", bias is not None),
+                ("transpose_kernel", transpose_kernel),
+                ("soft_cap", soft_cap is not None),
+            )
+            if set_
+        ]
+        if given:
+            raise ValueError(
+                f"`kernel` is the layer {kernel.name}, which says its bias, orientation and soft cap: leave "
+                f"{', '.join(f'`{name}`' for name in given)} at the default."
+            )
+        kernel, bias, transpose_kernel, soft_cap = layer_head(kernel)
     hidden, kernel = ops.convert_to_tensor(hidden), ops.convert_to_tensor(kernel)
     check.check_rank("hidden", hidden, 1, "a feature axis")
     if len(kernel.shape) != 2:
@@ -294,7 +344,7 @@ def _logprob_columns(
     `axis`)."""
     labels = labels if several else labels[:, None]
     scaled = logits if temperature == 1.0 else logits / temperature
-    columns = backend.label_logprobs(scaled, labels, entropy)
+    columns, logp = backend.label_logprobs(scaled, labels, entropy), None
     if columns is None:
         logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
         columns = ops.take_along_axis(logp, labels, axis=-1)
@@ -302,9 +352,14 @@ def _logprob_columns(
             columns = ops.concatenate([columns, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
     if not log_sum_sq:
         return columns
-    lse = ops.logsumexp(scaled, axis=-1, keepdims=True)
-    squared = ops.stop_gradient(ops.logsumexp(2.0 * scaled, axis=-1, keepdims=True) - 2.0 * lse)
-    return ops.concatenate([columns, squared], axis=-1)
+    # log Σp² from the log-probabilities formed already: one more pass, not two.
+    if logp is None:
+        squared = ops.logsumexp(2.0 * scaled, axis=-1, keepdims=True) - 2.0 * ops.logsumexp(
+            scaled, axis=-1, keepdims=True
+        )
+    else:
+        squared = ops.logsumexp(2.0 * logp, axis=-1, keepdims=True)
+    return ops.concatenate([columns, ops.stop_gradient(squared)], axis=-1)
 
 
 def _cross_entropy_values(

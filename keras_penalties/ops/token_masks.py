@@ -8,7 +8,7 @@ Notation as `policy`'s: p = exp(logprobs), p_old = exp(old_logprobs), A the
 advantages, M the mask. Computed in float32 (float64 stays float64).
 """
 
-from typing import get_args
+from typing import cast, get_args
 
 from keras import ops
 
@@ -96,7 +96,7 @@ def trust_region_mask(
     fill = lambda t: ops.stop_gradient(reductions.fill_masked(ops.cast(t, compute), mask))  # noqa: E731
     logprobs, old = fill(logprobs), fill(old)
     a = fill(ratios.broadcast_advantages(advantages, logprobs, compute))
-    low, high = threshold
+    low, high = cast(tuple[float, float], threshold)  # the check made it a pair
     p, p_old = ops.exp(logprobs), ops.exp(old)
     up = a > 0
     if divergence == "tv":
@@ -150,7 +150,7 @@ def entropy_mask(entropy: TensorLike, *, top: float = 0.2, mask: TensorLike | No
     kept = ops.ones(ops.shape(h), "bool") if mask is None else mask
     every_h, every_kept = ops.reshape(h, (-1,)), ops.reshape(ops.cast(kept, compute), (-1,))
     if backend.replicas_in_sync() > 1:
-        every_h, every_kept = backend.gather_over_replicas([every_h, every_kept])
+        every_h, every_kept = backend.gather_over_replicas([every_h, every_kept], reductions.forward_pass_layer())
     q = _quantile(every_h, every_kept > 0, 1.0 - top)
     return ops.logical_and(kept, h >= q)
 

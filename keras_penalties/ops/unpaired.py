@@ -59,9 +59,12 @@ def _check_sources(kind, kl_logprobs, ref_kl_logprobs, kl_baseline):
         )
 
 
-def _baseline(kl_logprobs, ref_kl_logprobs, kl_mask, compute):
-    """z₀ = max(0, mean over the mismatched examples that keep a token of
-    kl − ref_kl), a constant; over the whole batch's examples within a
+def baseline(
+    kl_logprobs: TensorLike, ref_kl_logprobs: TensorLike, kl_mask: TensorLike | None = None, compute: str = "float32"
+) -> Tensor:
+    """KTO's z₀ = max(0, mean over the mismatched examples that keep a
+    token of kl − ref_kl), a constant (what `unpaired_preference_loss`
+    reads, and TRL logs as `kl`); over the whole batch's examples within a
     composite under several replicas (as TRL gathers it)."""
     kl, kept = _values("kl_logprobs", kl_logprobs, kl_mask, "kl_mask", compute)
     ref, _ = _values("ref_kl_logprobs", ref_kl_logprobs, kl_mask, "kl_mask", compute, batch=kl.shape[0])
@@ -148,9 +151,11 @@ def unpaired_preference_loss(
     value, kept = _values("logprobs", logprobs, mask, "mask", compute)
     batch = value.shape[0]
     ref_logprobs = backend.as_tensor(ref_logprobs)
-    if len(ref_logprobs.shape) == 2:
+    per_token = len(ref_logprobs.shape) == 2
+    if per_token:
         check.check_same_shape(("logprobs", "ref_logprobs"), logprobs, ref_logprobs)
-    ref, _ = _values("ref_logprobs", ref_logprobs, mask, "mask", compute, batch=batch)
+    # A per-sequence reference is taken as given (TRL's precomputed one).
+    ref, _ = _values("ref_logprobs", ref_logprobs, mask if per_token else None, "mask", compute, batch=batch)
     desirable = backend.as_tensor(desirable)
     if len(desirable.shape) != 1 or reductions.shapes_differ((desirable.shape[0],), (batch,)):
         raise ValueError(f"`desirable` must be [batch] ({batch},), one label an example; got {tuple(desirable.shape)}.")
@@ -159,7 +164,7 @@ def unpaired_preference_loss(
     elif kl_baseline is not None:
         z0 = ops.stop_gradient(ops.cast(backend.as_tensor(kl_baseline), compute))
     else:
-        z0 = _baseline(kl_logprobs, ref_kl_logprobs, kl_mask, compute)
+        z0 = baseline(kl_logprobs, ref_kl_logprobs, kl_mask, compute)
     delta = value - ops.stop_gradient(ref)
     wanted = ops.not_equal(desirable, 0)
     losses = ops.where(
