@@ -627,6 +627,45 @@ def test_parameter_probe_with_its_required_arguments():
     np.testing.assert_allclose(norms[0], np.sqrt(sum(np.sum(p**2) for p in parts)), rtol=2e-5)
 
 
+# ------------------------------------------------------------------ post-training models
+
+_covers(
+    "post_training.PreferenceModel", "post_training.PolicyModel", "post_training.Rollouts", "callbacks.ReferenceSync"
+)
+
+
+def _causal_lm():
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub needs Python 3.11+ (make test installs it there)")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=V, num_layers=1, num_heads=2, hidden_dim=H, intermediate_dim=2 * H, max_sequence_length=T + 4
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def test_the_post_training_models_with_their_required_arguments():
+    # Each with the policy alone, in fit and evaluate: finite logs; the sync in fit's callbacks.
+    from keras_penalties.post_training import PolicyModel, PreferenceModel, Rollouts
+
+    completion = np.tile((np.arange(T) >= 2).astype("float32"), (B, 1))
+    pairs = {
+        "chosen_ids": TOKENS[:B],
+        "rejected_ids": TOKENS[B : 2 * B],
+        "chosen_mask": completion,
+        "rejected_mask": completion,
+    }
+    preference = PreferenceModel(_causal_lm())
+    preference.compile("adam")
+    _fit_and_evaluate(preference, pairs, None, batch_size=B, callbacks=[callbacks.ReferenceSync()])
+    policy = PolicyModel(_causal_lm())
+    policy.compile("adam")
+    rollout = {"token_ids": TOKENS[:B], "completion_mask": completion, "advantages": ADVANTAGES}
+    _fit_and_evaluate(policy, rollout, None, batch_size=B)
+    rollouts = Rollouts(policy, TOKENS[:, :2], lambda ids, mask: mask.sum(1))  # 8 prompts × 8 completions
+    batch = rollouts[0]
+    assert batch["token_ids"].shape == (64, T + 4) and np.isfinite(batch["advantages"]).all()
+
+
 # ------------------------------------------------------------------ coverage
 
 
@@ -651,6 +690,9 @@ def _public_names():
     for module in (callbacks, losses, optimizers, regularizers):
         names.update(f"{module.__name__.split('.')[-1]}.{name}" for name in module.__all__)
     names.update(f"ops.{name}" for name in P.__all__)
+    from keras_penalties import post_training
+
+    names.update(f"post_training.{name}" for name in post_training.__all__)
     for module in (gradients, keras_penalties.distillation):
         short = module.__name__.split(".")[-1]
         names.update(

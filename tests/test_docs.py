@@ -28,6 +28,7 @@ MODULES = (
     "keras_penalties.gradients",
     "keras_penalties.optimizers",
     "keras_penalties.distillation",
+    "keras_penalties.post_training",
 )
 
 

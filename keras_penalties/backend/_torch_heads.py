@@ -54,22 +54,24 @@ def soft_cap(logits, cap):
 
 
 class _LabelLogprobs(torch.autograd.Function):
-    """[rows, K (+ 1)]: log softmax(z) at each row's K labels and, with
-    `entropy`, H = −Σ p log p last. The gradient, for upstream g (the K
-    labels') and h (H's): Σₖ gₖ·onehotₖ − p·(Σₖ gₖ + h·(log p + H)), in
-    two passes over the saved log p and p (autograd's takes about six)."""
+    """[rows, K (+ 1) (+ 1)]: log softmax(z) at each row's K labels and, with
+    `entropy`, H = −Σ p log p, with `log_sum_sq`, log Σ p² (a constant),
+    last. The gradient, for upstream g (the K labels') and h (H's): Σₖ
+    gₖ·onehotₖ − p·(Σₖ gₖ + h·(log p + H)), in two passes over the saved
+    log p and p (autograd's takes about six)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, entropy):
+    def forward(ctx, logits, labels, entropy, log_sum_sq):
         logp = torch.log_softmax(logits, dim=-1)
         columns = [logp.gather(-1, labels)]
-        p = None
+        p = logp.exp() if entropy or log_sum_sq else None
         if entropy:
-            p = logp.exp()
             columns.append(-torch.linalg.vecdot(p, logp)[:, None])
+        if log_sum_sq:
+            columns.append(torch.linalg.vecdot(p, p)[:, None].log_())
         ctx.entropy = entropy
-        ctx.save_for_backward(logp, labels, *([] if p is None else [p, columns[1]]))
-        return torch.cat(columns, dim=-1) if entropy else columns[0]
+        ctx.save_for_backward(logp, labels, *([p, columns[1]] if entropy else []))
+        return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
 
     @staticmethod
     def backward(ctx, upstream):
@@ -83,15 +85,15 @@ class _LabelLogprobs(torch.autograd.Function):
             grad = torch.addcmul(-(total + slope * h), slope, logp, value=-1).mul_(p)
         else:
             grad = logp.exp().mul_(-total)
-        return grad.scatter_add_(-1, labels, picked), None, None
+        return grad.scatter_add_(-1, labels, picked), None, None, None
 
 
-def label_logprobs(logits, labels, entropy):
+def label_logprobs(logits, labels, entropy, log_sum_sq=False):
     """As `_common.label_logprobs`; in a chunk loop, `_LabelLogprobs`
     (first order) for float32 and float64 logits."""
     if not _in_chunk.get() or logits.dtype not in (torch.float32, torch.float64):
         return None
-    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy)
+    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy, log_sum_sq)
 
 
 class _ChunkedSum(torch.autograd.Function):

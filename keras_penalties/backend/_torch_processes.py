@@ -35,13 +35,20 @@ def replicas_in_sync():
 
 def gather_over_replicas(tensors, keep_losses_of=None):
     """Each tensor's values on every process, concatenated along axis 0 in
-    rank order, without a gradient (every process's tensor of one shape).
+    rank order, without a gradient (each process's rows may differ in
+    number: padded to the most for the collective, then cut).
     Torch keeps one list of added losses per process: nothing to keep."""
+    world = torch.distributed.get_world_size()
     gathered = []
     for t in tensors:
-        parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(parts, t.detach().contiguous())
-        gathered.append(torch.cat(parts))
+        t = t.detach().contiguous()
+        rows = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+        torch.distributed.all_gather(rows, torch.tensor(t.shape[0], dtype=torch.int64))
+        most = int(max(rows))
+        padded = torch.cat([t, t.new_zeros((most - t.shape[0],) + tuple(t.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(parts, padded)
+        gathered.append(torch.cat([part[: int(n)] for part, n in zip(parts, rows)]))
     return gathered
 
 

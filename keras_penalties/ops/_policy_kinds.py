@@ -95,7 +95,7 @@ def gmpo_loss(delta, a, mask, clip):
     with its gradient through every token it does not clip."""
     low, high = clip
     clipped = ops.where(a > 0, num.clamp(delta, high=high), num.clamp(delta, low=-low))
-    return -a * ratios.exp_clamped(ratios.sequence_mean(clipped, mask))
+    return ops.broadcast_to(-a * ratios.exp_clamped(ratios.sequence_mean(clipped, mask)), ops.shape(delta))
 
 
 def vespo_loss(delta, a, logprobs, vespo_k, vespo_lambda):

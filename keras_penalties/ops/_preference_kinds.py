@@ -108,6 +108,15 @@ KINDS = {
 }
 
 
+def check_options(kind, divergence, epsilon):
+    """The options a kind refuses, before any tensor work."""
+    if divergence != "reverse_kl" and not KINDS[kind].on_h:
+        on_h = ", ".join(repr(k) for k, facts in KINDS.items() if facts.on_h)
+        raise ValueError(f"`divergence={divergence!r}` scores h: kind={kind!r} is not built on it (those are {on_h}).")
+    if kind == "exo_pair" and epsilon == 0.0:
+        raise ValueError("kind='exo_pair' needs `label_smoothing` > 0 (its log ε; the EXO paper uses 1e-3).")
+
+
 def score(delta, divergence, alpha):
     """f(Δ) of a log-ratio Δ for TRL's `f_divergence_type` (TRL 1.16's
     f′): Δ (`"reverse_kl"`), 1 − e^{−Δ}, ln 2 + logσ(Δ), (e^{(α−1)Δ} −
@@ -119,4 +128,6 @@ def score(delta, divergence, alpha):
         return 1.0 - ops.exp(num.clamp(-delta, high=_EXPONENT_LIMIT))
     if divergence == "js_divergence":
         return math.log(2.0) + _log_sigmoid(delta)
-    return ops.expm1(num.clamp((alpha - 1.0) * delta, high=_EXPONENT_LIMIT)) / (alpha - 1.0)
+    # The exponent's bound keeps the score itself under e^40 (α near 1 divides by a small α − 1).
+    limit = _EXPONENT_LIMIT + math.log(abs(alpha - 1.0))
+    return ops.expm1(num.clamp((alpha - 1.0) * delta, high=limit)) / (alpha - 1.0)

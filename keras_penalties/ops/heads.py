@@ -344,22 +344,19 @@ def _logprob_columns(
     `axis`)."""
     labels = labels if several else labels[:, None]
     scaled = logits if temperature == 1.0 else logits / temperature
-    columns, logp = backend.label_logprobs(scaled, labels, entropy), None
-    if columns is None:
-        logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
-        columns = ops.take_along_axis(logp, labels, axis=-1)
-        if entropy:
-            columns = ops.concatenate([columns, -ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True)], axis=-1)
-    if not log_sum_sq:
-        return columns
-    # log Σp² from the log-probabilities formed already: one more pass, not two.
-    if logp is None:
-        squared = ops.logsumexp(2.0 * scaled, axis=-1, keepdims=True) - 2.0 * ops.logsumexp(
-            scaled, axis=-1, keepdims=True
-        )
+    fused = backend.label_logprobs(scaled, labels, entropy, log_sum_sq)
+    if fused is not None:
+        return fused
+    logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
+    if several:
+        columns = [ops.take_along_axis(logp, labels, axis=-1)]
     else:
-        squared = ops.logsumexp(2.0 * logp, axis=-1, keepdims=True)
-    return ops.concatenate([columns, ops.stop_gradient(squared)], axis=-1)
+        columns = [ops.expand_dims(backend.pick_labels(logp, labels[:, 0], -1), -1)]
+    if entropy:
+        columns.append(-ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True))
+    if log_sum_sq:  # from the log-probabilities formed already: one more pass
+        columns.append(ops.stop_gradient(ops.logsumexp(2.0 * logp, axis=-1, keepdims=True)))
+    return ops.concatenate(columns, axis=-1) if len(columns) > 1 else columns[0]
 
 
 def _cross_entropy_values(

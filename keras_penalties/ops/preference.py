@@ -109,11 +109,7 @@ def _check_references(kind, refs):
 
 def _check_options(kind, divergence, epsilon, nll, reduction, log_sum_sq):
     """The options a kind refuses, before any tensor work."""
-    if divergence != "reverse_kl" and not kinds.KINDS[kind].on_h:
-        on_h = ", ".join(repr(k) for k, facts in kinds.KINDS.items() if facts.on_h)
-        raise ValueError(f"`divergence={divergence!r}` scores h: kind={kind!r} is not built on it (those are {on_h}).")
-    if kind == "exo_pair" and epsilon == 0.0:
-        raise ValueError("kind='exo_pair' needs `label_smoothing` > 0 (its log ε; the EXO paper uses 1e-3).")
+    kinds.check_options(kind, divergence, epsilon)
     if nll > 0.0 and reduction == "none":
         raise ValueError("`nll` adds a token mean to the reduced loss: use reduction='mean' or 'sum', or nll=0.")
     if (log_sum_sq[0] is None) != (log_sum_sq[1] is None):
@@ -284,6 +280,9 @@ def preference_loss(
     log_sum_sq = (chosen_log_sum_sq, rejected_log_sum_sq)
     _check_references(kind, refs)
     _check_options(kind, divergence, label_smoothing, nll, reduction, log_sum_sq)
+    chosen_logprobs = backend.as_tensor(chosen_logprobs)
+    if nll > 0.0 and len(chosen_logprobs.shape) != 2:
+        raise ValueError("`nll` needs per-token `chosen_logprobs` [batch, tokens]; they are per sequence.")
     c, r, c_ref, r_ref, valid, compute, dtype, (sides, masks) = _pairs(
         chosen_logprobs, rejected_logprobs, refs, (chosen_mask, rejected_mask), kind
     )
