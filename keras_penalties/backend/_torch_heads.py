@@ -70,7 +70,8 @@ class _LabelLogprobs(torch.autograd.Function):
         if log_sum_sq:
             columns.append(torch.linalg.vecdot(p, p)[:, None].log_())
         ctx.entropy = entropy
-        ctx.save_for_backward(logp, labels, *([p, columns[1]] if entropy else []))
+        # p, formed for the entropy or log Σp², is kept: the backward pass needs it too.
+        ctx.save_for_backward(logp, labels, *([] if p is None else [p]), *([columns[1]] if entropy else []))
         return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
 
     @staticmethod
@@ -81,8 +82,10 @@ class _LabelLogprobs(torch.autograd.Function):
         total = picked.sum(-1, keepdim=True)
         if ctx.entropy:
             p, h = rest
-            slope = upstream[:, k:]
+            slope = upstream[:, k : k + 1]
             grad = torch.addcmul(-(total + slope * h), slope, logp, value=-1).mul_(p)
+        elif rest:
+            grad = rest[0] * -total
         else:
             grad = logp.exp().mul_(-total)
         return grad.scatter_add_(-1, labels, picked), None, None, None

@@ -354,8 +354,9 @@ def _logprob_columns(
         columns = [ops.expand_dims(backend.pick_labels(logp, labels[:, 0], -1), -1)]
     if entropy:
         columns.append(-ops.sum(ops.exp(logp) * logp, axis=-1, keepdims=True))
-    if log_sum_sq:  # from the log-probabilities formed already: one more pass
-        columns.append(ops.stop_gradient(ops.logsumexp(2.0 * logp, axis=-1, keepdims=True)))
+    if log_sum_sq:  # from p = exp(log p), which the gradient forms too (XLA shares it)
+        p = ops.exp(logp)
+        columns.append(ops.stop_gradient(ops.log(ops.sum(p * p, axis=-1, keepdims=True))))
     return ops.concatenate(columns, axis=-1) if len(columns) > 1 else columns[0]
 
 
