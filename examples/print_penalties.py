@@ -50,6 +50,10 @@ def main():
         # Pairs: the chosen completion's log-probabilities the labels', the rejected one's the teacher's.
         "preference_loss(chosen, rejected, DPO, reference free)": P.preference_loss(logprobs, ref_logprobs),
         "preference_reward(chosen, rejected, margin)": P.preference_reward(logprobs, ref_logprobs),
+        # One completion each, desirable or not (KTO), the baseline given.
+        "unpaired_preference_loss(logprobs, ref, desirable, KTO)": P.unpaired_preference_loss(
+            logprobs, ref_logprobs, advantages > 0, kl_baseline=0.1
+        ),
         # A teacher's top-2 ids a position, both models' log-probabilities of them, and the rest of the vocabulary.
         "topk_kl(teacher top-2, student, tail)": P.topk_kl(
             P.token_logprobs(top_ids, teacher), P.token_logprobs(top_ids, logits)

@@ -143,7 +143,8 @@ class PolicyModel(keras.Model):
         self.importance_sampling = importance_sampling
         self.chunk_size = check.chunk_size("chunk_size", chunk_size)
         self.loss_options = loss_options
-        logs = ["policy_loss", "kl", "entropy"]
+        # A log a term: `kl` and `entropy` with their weights; `reward` and `reward_std` read `rewards`.
+        logs = ["policy_loss"] + ["kl"] * (self.kl_weight > 0) + ["entropy"] * (self.entropy_weight > 0)
         if kind in CLIPPED:
             logs += CLIP_LOGS
         if importance_sampling is not None:
