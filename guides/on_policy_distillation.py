@@ -12,13 +12,14 @@ the student actually goes (Agarwal et al., 2024; Thinking Machines' Tinker,
 1. a keras-hub student and a larger teacher, both built from config
    (nothing is downloaded);
 2. the student samples with keras-hub's own `generate`;
-3. the loss is the exact reverse KL over the whole vocabulary, from both
+3. `keras_penalties.distillation.Distiller` with a reverse-KL
+   `LogitsDivergence`: the exact KL over the whole vocabulary, from both
    models' hidden states through both tied embeddings, a chunk of tokens at
-   a time (`ops.linear` on each side: neither model's `[tokens, vocab]`
-   logits are formed, forward or backward), and the per-token KL falls;
+   a time (neither model's `[tokens, vocab]` logits are formed, forward or
+   backward); the per-token KL falls;
 4. the cheaper forms: a teacher's top-k ids with the tail bin
    (`ops.topk_kl`), and Tinker's per-token advantages from the sampled
-   tokens' log-ratio (`ops.discounted_cumsum`).
+   tokens' log-ratio (`ops.discounted_cumsum`) trained by a `PolicyModel`.
 
 keras-hub is an optional dependency (Python 3.11+):
 `pip install --no-deps keras-hub regex tokenizers`.
@@ -31,9 +32,9 @@ import os
 import keras
 import numpy as np
 
-from keras_penalties import CompositeObjective, Term
 from keras_penalties import ops as P
-from keras_penalties.callbacks import PenaltyMonitor
+from keras_penalties.distillation import Distiller, LogitsDivergence
+from keras_penalties.post_training import PolicyModel
 
 try:
     import keras_hub
@@ -66,8 +67,8 @@ def gpt2(layers, width, seed):
 
 
 if keras_hub is not None:
-    teacher = gpt2(2, 64, seed=1).backbone
-    embeddings = teacher.token_embedding.embeddings
+    teacher = gpt2(2, 64, seed=1)
+    embeddings = teacher.backbone.token_embedding.embeddings
     embeddings.assign(embeddings * 15.0)
     teacher.trainable = False
     student = gpt2(1, 32, seed=2)
@@ -77,38 +78,20 @@ if keras_hub is not None:
 ## 2. The loss: the exact reverse KL from both models' hidden states
 
 At each position of a completion, KL(π_student ‖ π_teacher) over the whole
-vocabulary: `ops.kl_divergence(teacher, student, direction="reverse")` on
-`ops.linear` of each model's hidden states and its tied embedding
-(`transpose_kernel=True`), `CHUNK` positions at a time. The prompt's
-positions are masked out. The term sits in a `CompositeObjective`, so its
-value (and, with a probe, its gradient norm) reaches the logs.
+vocabulary: a `Distiller` with `LogitsDivergence(direction="reverse")`,
+`head=` and `teacher_head=` naming each model's tied embedding, so the KL
+is computed from the hidden states `CHUNK` positions at a time. The
+`sample_weight` masks the prompt's positions out; no student loss
+(`student_loss_weight=0`). The KL is logged per kept token as
+`distillation/reverse_kl`.
 """
 
-
-def distillation_model():
-    inputs = {
-        "token_ids": keras.Input((LENGTH,), dtype="int32", name="token_ids"),
-        "padding_mask": keras.Input((LENGTH,), dtype="int32", name="padding_mask"),
-        "mask": keras.Input((LENGTH,), name="mask"),
-    }
-    tokens = {"token_ids": inputs["token_ids"], "padding_mask": inputs["padding_mask"]}
-    student_hidden, teacher_hidden = student.backbone(tokens), teacher(tokens)
-
-    def reverse_kl(student_hidden, teacher_hidden, mask):
-        logits = P.linear(student_hidden, student.backbone.token_embedding.embeddings, transpose_kernel=True)
-        reference = P.linear(teacher_hidden, teacher.token_embedding.embeddings, transpose_kernel=True)
-        return P.kl_divergence(
-            reference, logits, from_logits=True, direction="reverse", mask=mask, chunk_size=CHUNK
-        )
-
-    objective = CompositeObjective(
-        {"reverse_kl": Term(reverse_kl, inputs=("student", "teacher", "mask"))}, name="distill"
+if keras_hub is not None:
+    distiller = Distiller(
+        teacher, student, LogitsDivergence(direction="reverse", name="reverse_kl"), student_loss_weight=0.0,
+        head="token_embedding", teacher_head="token_embedding", chunk_size=CHUNK,
     )
-    out = objective({"student": student_hidden, "teacher": teacher_hidden, "mask": inputs["mask"]})["student"]
-    model = keras.Model(inputs, out)
-    model.compile(optimizer=keras.optimizers.Adam(5e-3), loss=None)
-    return model
-
+    distiller.compile(optimizer=keras.optimizers.Adam(5e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 """
 ## 3. The loop: the student samples, the teacher scores, the student learns
@@ -133,12 +116,12 @@ def sample(rng):
 
 
 if keras_hub is not None:
-    model = distillation_model()
     rng = np.random.default_rng(4)
     for step in range(STEPS):
         data = sample(rng)
-        logs = model.fit(data, batch_size=16, epochs=1, verbose=0, callbacks=[PenaltyMonitor()]).history
-        kl = logs["distill/reverse_kl"][0]
+        x, y = {k: data[k] for k in ("token_ids", "padding_mask")}, np.roll(data["token_ids"], -1, axis=1)
+        logs = distiller.fit(x, y, sample_weight=data["mask"], batch_size=16, verbose=0).history
+        kl = logs["distillation/reverse_kl"][0]
         if step == 0:
             start = kl
         if step % 4 == 0 or step == STEPS - 1:
@@ -162,15 +145,18 @@ the vocabulary (TRL's `loss_top_k` with `loss_add_tail`).
 Tinker's on-policy distillation instead scores only the sampled token:
 its per-token reverse KL estimate log π_student − log π_teacher, negated,
 is a reward, and `ops.discounted_cumsum` turns it into per-token returns
-(γ = 0 keeps each token's own) for a policy-gradient loss.
+(γ = 0 keeps each token's own): per-token advantages for a `PolicyModel`
+(its `score` gives a model's log-probabilities of the tokens, aligned with
+the ids; the teacher's come from a `PolicyModel` of the teacher, used only
+to score).
 """
 
 if keras_hub is not None:
     data = sample(np.random.default_rng(5))
     tokens = {"token_ids": data["token_ids"], "padding_mask": data["padding_mask"]}
-    student_hidden, teacher_hidden = student.backbone(tokens), teacher(tokens)
-    teacher_logits = P.linear(teacher_hidden, teacher.token_embedding.embeddings, transpose_kernel=True)
-    student_logits = P.linear(student_hidden, student.backbone.token_embedding.embeddings, transpose_kernel=True)
+    teacher_hidden = teacher.backbone(tokens)
+    teacher_logits = P.linear(teacher_hidden, teacher.backbone.token_embedding)
+    student_logits = P.linear(student.backbone(tokens), student.backbone.token_embedding)
     # The teacher's top 4 ids at each position, as a server would send them.
     formed = keras.ops.convert_to_numpy(keras.ops.matmul(teacher_hidden, keras.ops.transpose(embeddings)))
     top = np.argsort(-formed, axis=-1)[..., :4]
@@ -179,13 +165,22 @@ if keras_hub is not None:
     topk = P.topk_kl(teacher_top, student_top, mask=data["mask"])
     exact = P.kl_divergence(teacher_logits, student_logits, from_logits=True, mask=data["mask"], chunk_size=CHUNK)
     topk, exact = (float(keras.ops.convert_to_numpy(v)) for v in (topk, exact))
-    print(f"forward KL: top-4 with the tail {topk:.4f}, exact {exact:.4f}")
+    print(f"forward KL (nats a token): top-4 with the tail {topk:.4f}, exact {exact:.4f}")
 
-    # Tinker's advantages from the sampled tokens' log-ratio (the next token at each position).
-    labels = np.roll(data["token_ids"], -1, axis=1)
-    log_ratio = P.token_logprobs(labels, student_logits, chunk_size=CHUNK) - P.token_logprobs(
-        labels, teacher_logits, chunk_size=CHUNK
-    )
-    advantages = P.discounted_cumsum(-log_ratio, 0.0, mask=data["mask"])
-    mean = float(keras.ops.convert_to_numpy(keras.ops.mean(advantages)))
-    print(f"mean per-token advantage (negated reverse KL estimate): {mean:+.4f}")
+    # Tinker: the sampled tokens' log-ratio as per-token advantages, one policy-gradient step a batch;
+    # the exact reverse KL of `data` (held out) before and after.
+    def reverse_kl():
+        student_logits = P.linear(student.backbone(tokens), student.backbone.token_embedding)
+        kl = P.kl_divergence(teacher_logits, student_logits, from_logits=True, direction="reverse", mask=data["mask"])
+        return float(keras.ops.convert_to_numpy(kl))
+
+    before = reverse_kl()
+    tinker, teacher_scorer = PolicyModel(student, kind="importance_sampling", chunk_size=CHUNK), PolicyModel(teacher)
+    tinker.compile(optimizer=keras.optimizers.Adam(1e-3))
+    for step in range(STEPS // 2):
+        batch = sample(rng)
+        batch["completion_mask"] = np.roll(batch["mask"], 1, axis=1)  # aligned with the ids: the sampled tokens
+        log_ratio = tinker.score(batch) - teacher_scorer.score(batch)
+        batch["advantages"] = keras.ops.convert_to_numpy(P.discounted_cumsum(-log_ratio, 0.0, mask=batch["completion_mask"]))
+        tinker.fit(batch, batch_size=BATCH, verbose=0)
+    print(f"tinker: reverse KL (nats a token, held out) {before:.4f} before {STEPS // 2} steps -> {reverse_kl():.4f} after")

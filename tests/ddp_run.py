@@ -22,9 +22,12 @@ processes (each process's share of the global value), the probes, and the
 final weights.
 """
 
+import importlib.util
 import json
 import os
 import sys
+
+import numpy as np
 
 
 from tests import process_models
@@ -105,6 +108,34 @@ def distiller(process, processes, prefix):
     return {f"{prefix}/losses": losses, **weights}
 
 
+def post_training(process, processes):
+    """DPO, KTO and GRPO (tests/post_training_run.py's models and data, on
+    keras-hub GPT-2s built from config): `compute_loss` on this process's
+    rows, the gradients averaged by hand as DDP does; the first half of
+    every global batch (process 0's rows) keeps fewer tokens."""
+    import keras
+    import torch
+
+    from tests import post_training_run as run
+
+    results = {}
+    for prefix, model, data in run.models_and_data():
+        variables = model.policy.trainable_variables
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(variables)
+        rows = {k: torch.tensor(local_rows(v, process, processes)) for k, v in data.items()}
+        per, losses = BATCH // processes, []
+        for epoch in range(2):
+            for start in range(0, run.ROWS // processes, per):
+                loss = model.compute_loss(x={k: v[start : start + per] for k, v in rows.items()})
+                grads = torch.autograd.grad(loss, [v.value for v in variables])
+                optimizer.apply(_average(list(grads), processes), variables)
+                losses.append(float(_average([loss.detach().clone()], processes)[0]))
+        weights = np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in variables])
+        results.update({f"{prefix}/losses": losses, f"{prefix}/weights": weights.tolist()})
+    return results
+
+
 def main(role, *args):
     import torch
 
@@ -117,6 +148,8 @@ def main(role, *args):
     results = regression(process, processes)
     for prefix in process_models.DISTILLER_CHUNKS:
         results.update(distiller(process, processes, prefix))
+    if importlib.util.find_spec("keras_hub") is not None:  # Python 3.11+
+        results.update(post_training(process, processes))
     print(json.dumps(results), flush=True)
     if processes > 1:
         torch.distributed.destroy_process_group()

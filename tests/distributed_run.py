@@ -22,7 +22,7 @@ against its layer's largest.
 import json
 import sys
 
-from tests.two_devices import BACKEND, BATCH, before_keras, regression_data, split_tensorflow_cpu
+from tests.two_devices import BACKEND, BATCH, before_keras, distributed, regression_data, split_tensorflow_cpu
 
 if __name__ == "__main__":
     before_keras()
@@ -480,22 +480,6 @@ def train_token_loss():
     results = {f"masked/history/{k}": v for k, v in history.history.items()}
     results["masked/kernel"] = keras.ops.convert_to_numpy(model.get_layer("m_head").kernel).tolist()
     return results
-
-
-def distributed(mode):
-    if BACKEND == "jax":
-        devices = keras.distribution.list_devices("cpu")
-        assert len(devices) == 2, devices
-        if mode == "data_parallel":
-            return keras.distribution.DataParallel(devices=devices).scope()
-        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map["dense_a/kernel"] = (None, "model")
-        layout_map["dense_b/kernel"] = ("model", None)
-        return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope()
-    import tensorflow as tf
-
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope()
 
 
 WEIGHTED = ("weight", "contribution", "grad_norm_weighted")

@@ -35,3 +35,9 @@ def test_guide_runs(path, monkeypatch, capsys):
         # 16 steps on the student's own samples: the per-token reverse KL to the teacher falls.
         first, last = map(float, kl.groups())
         assert last < 0.6 * first, out
+        # Then Tinker's per-token advantages in a PolicyModel: the exact reverse KL of a held-out batch falls.
+        tinker = re.search(
+            r"tinker: reverse KL \(nats a token, held out\) ([0-9.]+) before \d+ steps -> ([0-9.]+)", out
+        )
+        before, after = map(float, tinker.groups())
+        assert after < before, out

@@ -13,12 +13,15 @@ each setup equal to one process on the same global batches:
   masks (an entropy, and an off-policy GSPO term with importance weights),
   the optimizer wrappers, `Distiller.compute_loss`;
 - torch, 2 processes with `DistributedDataParallel` (gloo) in a custom loop
-  (tests/ddp_run.py): the same calls.
+  (tests/ddp_run.py): the same calls, and `compute_loss` of
+  `PreferenceModel` (DPO, KTO) and `PolicyModel` (GRPO) on keras-hub
+  GPT-2s with uneven token masks.
 
 A process that dies makes the launch fail at once, leaving none behind.
 Each setup runs in its backend's suite: the processes are that backend's.
 """
 
+import importlib.util
 import json
 import os
 import time
@@ -118,6 +121,8 @@ def test_two_ddp_processes_in_a_custom_loop_equal_one_process():
     ]
     np.testing.assert_allclose((kept[0] * raw[1] + kept[1] * raw[2]) / (kept[0] + kept[1]), raw[0], rtol=1e-5)
     assert not np.allclose(raw[1], raw[0], rtol=1e-3)
+    if importlib.util.find_spec("keras_hub") is not None:  # PreferenceModel and PolicyModel on keras-hub GPT-2s
+        assert {"dpo/losses", "kto/losses", "grpo/losses", "dpo/weights", "kto/weights", "grpo/weights"} <= set(one)
     _assert_equal_to_one_process(one, first, second)
 
 

@@ -37,3 +37,24 @@ def split_tensorflow_cpu():
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def distributed(mode):
+    """The scope of two devices: JAX's `DataParallel`, or `ModelParallel`
+    sharding the kernels of the layers named dense_a and dense_b; TF's
+    `MirroredStrategy` on the two logical CPUs."""
+    import keras
+
+    if BACKEND == "jax":
+        devices = keras.distribution.list_devices("cpu")
+        assert len(devices) == 2, devices
+        if mode == "data_parallel":
+            return keras.distribution.DataParallel(devices=devices).scope()
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map["dense_a/kernel"] = (None, "model")
+        layout_map["dense_b/kernel"] = ("model", None)
+        return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch").scope()
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope()
