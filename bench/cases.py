@@ -10,6 +10,7 @@ from keras import ops
 
 from bench import native
 from bench.case import Case, gradient_sides
+from bench.post_training_cases import POST_TRAINING_CASES
 from bench.preference_cases import PREFERENCE_CASES
 from bench.rl_cases import NAME as _RL_NAME
 from bench.rl_cases import RL_CASES
@@ -592,6 +593,7 @@ CASES = (
     + PREFERENCE_CASES
     + DISTILLER_CASES
     + NORM_CASES
+    + POST_TRAINING_CASES
 )
 
 # Misses that a measurement shows out of reach (bench/results/README.md,

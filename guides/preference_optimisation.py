@@ -117,9 +117,12 @@ if keras_hub is not None:
         if step == 0:
             first = margin, accuracy
         if step % 3 == 0 or step == STEPS - 1:
-            print(f"sigmoid step {step:2d}: loss {logs['loss'][0]:.4f}  margin {margin:+.4f}  accuracy {accuracy:.2f}")
-    print(f"reward margin: {first[0]:+.4f} at the first step -> {margin:+.4f} at the last")
-    print(f"accuracy: {first[1]:.2f} at the first step -> {accuracy:.2f} at the last")
+            print(
+                f"sigmoid step {step:2d}: loss {logs['loss'][0]:.4f} (a pair's, mean)  "
+                f"margin {margin:+.4f} (β·h, a pair's, mean)  accuracy {accuracy:.2f} (of pairs)"
+            )
+    print(f"reward margin: {first[0]:+.4f} at the first step -> {margin:+.4f} at the last (β·h, a pair's, mean)")
+    print(f"accuracy: {first[1]:.2f} at the first step -> {accuracy:.2f} at the last (the fraction of pairs with h > 0)")
 
 """
 The margin starts at 0 (the policy is its reference, so no pair has a
@@ -142,7 +145,10 @@ if keras_hub is not None:
     for step in range(4):
         logs = simpo.fit(pairs(rng), batch_size=PAIRS, verbose=0).history
         if step % 3 == 0:
-            print(f"simpo step {step:2d}: loss {logs['loss'][0]:.4f}  accuracy {logs['rewards/accuracies'][0]:.2f}")
+            print(
+                f"simpo step {step:2d}: loss {logs['loss'][0]:.4f} (a pair's, mean)  "
+                f"accuracy {logs['rewards/accuracies'][0]:.2f} (of pairs)"
+            )
 
 """
 ## 5. KTO on unpaired data
@@ -172,4 +178,8 @@ if keras_hub is not None:
         logs = kto.fit(unpaired(rng), batch_size=2 * PAIRS, verbose=0).history
         if step == 0:
             kto_first = logs["rewards/margins"][0]
-    print(f"kto reward margin (desirable − undesirable): {kto_first:+.4f} at the first step -> {logs['rewards/margins'][0]:+.4f} at the last")
+    last = logs["rewards/margins"][0]
+    print(
+        f"kto reward margin (the desirable completions' mean β·log-ratio − the undesirable's): "
+        f"{kto_first:+.4f} at the first step -> {last:+.4f} at the last"
+    )
