@@ -87,23 +87,39 @@ def regression(process, processes):
     return {**results, **weights}
 
 
+def _trained_by_hand(loss_of, variables, optimizer, steps, processes):
+    """Two epochs over `steps` (this process's rows of each global batch):
+    `loss_of(step)`, its gradients averaged over the processes as DDP does,
+    applied by `optimizer`; each step's loss, averaged too."""
+    import torch
+
+    optimizer.build(variables)
+    losses = []
+    for epoch in range(2):
+        for step in steps:
+            loss = loss_of(step)
+            grads = torch.autograd.grad(loss, [v.value for v in variables])
+            optimizer.apply(_average(list(grads), processes), variables)
+            losses.append(float(_average([loss.detach().clone()], processes)[0]))
+    return losses
+
+
 def distiller(process, processes, prefix):
     import keras
     import torch
 
     model = process_models.distiller(process_models.DISTILLER_CHUNKS[prefix])
     variables = model.student.trainable_variables
-    model.optimizer.build(variables)
     rows = [torch.tensor(local_rows(a, process, processes)) for a in (LM_TOKENS, LM_LABELS, LM_WEIGHTS)]
     per = BATCH // processes
-    losses = []
-    for epoch in range(2):
-        for start in range(0, len(rows[0]), per):
-            tokens, labels, weights = (r[start : start + per] for r in rows)
-            loss = model.compute_loss(x=tokens, y=labels, sample_weight=weights)
-            grads = torch.autograd.grad(loss, [v.value for v in variables])
-            model.optimizer.apply(_average(list(grads), processes), variables)
-            losses.append(float(_average([loss.detach().clone()], processes)[0]))
+    steps = [[r[start : start + per] for r in rows] for start in range(0, len(rows[0]), per)]
+    losses = _trained_by_hand(
+        lambda step: model.compute_loss(x=step[0], y=step[1], sample_weight=step[2]),
+        variables,
+        model.optimizer,
+        steps,
+        processes,
+    )
     weights = {f"{prefix}/weights/{i}": keras.ops.convert_to_numpy(v).tolist() for i, v in enumerate(variables)}
     return {f"{prefix}/losses": losses, **weights}
 
@@ -121,16 +137,12 @@ def post_training(process, processes):
     results = {}
     for prefix, model, data in run.models_and_data():
         variables = model.policy.trainable_variables
-        optimizer = keras.optimizers.SGD(0.1)
-        optimizer.build(variables)
         rows = {k: torch.tensor(local_rows(v, process, processes)) for k, v in data.items()}
-        per, losses = BATCH // processes, []
-        for epoch in range(2):
-            for start in range(0, run.ROWS // processes, per):
-                loss = model.compute_loss(x={k: v[start : start + per] for k, v in rows.items()})
-                grads = torch.autograd.grad(loss, [v.value for v in variables])
-                optimizer.apply(_average(list(grads), processes), variables)
-                losses.append(float(_average([loss.detach().clone()], processes)[0]))
+        per = BATCH // processes
+        steps = [{k: v[start : start + per] for k, v in rows.items()} for start in range(0, run.ROWS // processes, per)]
+        losses = _trained_by_hand(
+            lambda step: model.compute_loss(x=step), variables, keras.optimizers.SGD(0.1), steps, processes
+        )
         weights = np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)) for v in variables])
         results.update({f"{prefix}/losses": losses, f"{prefix}/weights": weights.tolist()})
     return results

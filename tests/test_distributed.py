@@ -22,31 +22,16 @@ a loss with learned weights (uncertainty, FAMO) made before the
 distribution, in a model built under it.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.testing import BACKEND
+from tests.two_devices import report_of
 
 MODES = {"jax": ["data_parallel", "model_parallel"], "tensorflow": ["mirrored"], "torch": []}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(mode):
-    env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.distributed_run", mode],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return report_of("tests.distributed_run", mode)
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution for the torch backend")

@@ -6,9 +6,6 @@ noise schedule from their papers.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -24,6 +21,7 @@ from keras_penalties.optimizers import (
 )
 from tests import optimizer_oracles as O
 from tests.testing import BACKEND, save_and_load, to_numpy
+from tests.two_devices import report_of
 
 RNG = np.random.default_rng(0)
 SHAPES = {"kernel": (4, 3), "conv": (3, 3, 2, 4), "bias": (3,)}
@@ -564,23 +562,11 @@ def test_bad_arguments_fail_at_construction(index):
 
 # ---- two devices -------------------------------------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution for the torch backend")
 def test_two_devices_match_one():
     """JAX DataParallel on 2 virtual devices, TF MirroredStrategy on 2 logical CPUs."""
-    env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.distributed_optimizers_run"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = report_of("tests.distributed_optimizers_run")
     assert report["devices"] == 2
     assert sorted(report["differences"]) == sorted(
         ["proximal_l1_adam", "proximal_l2_mean_sgd", "noise_sgd", "agc_sgd", "gc_adam"]

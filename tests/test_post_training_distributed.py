@@ -9,36 +9,21 @@ the other (tests/post_training_run.py, in a subprocess: JAX's
 on 2 logical CPUs). Two torch processes: tests/test_multiprocess.py.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.testing import BACKEND
+from tests.two_devices import report_of
 
 pytest.importorskip(
     "keras_hub", reason="keras-hub needs Python 3.11+; make test installs it there (--no-deps, see the Makefile)"
 )
 
 MODES = {"jax": "data_parallel", "tensorflow": "mirrored"}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="Keras has no distribution for the torch backend")
 def test_two_devices_match_one():
-    env = {**os.environ, "KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.post_training_run", MODES[BACKEND]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = report_of("tests.post_training_run", MODES[BACKEND])
     assert report.pop("missing") == []
     for key in (
         "dpo/history/loss",

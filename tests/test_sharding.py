@@ -12,35 +12,20 @@ split, and only per-row statistics cross devices. Both at once on a (2, 2)
 mesh of four devices. Values and gradients equal one device's.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from tests.sharding_run import CHUNK, HIDDEN, VOCAB
 from tests.testing import BACKEND
+from tests.two_devices import report_of
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A collective on at most this many elements carries per-row statistics'
 # totals or a scalar (the kept count, the partial sums), not rows.
 SMALL = 64
 
 
 def _run(devices):
-    env = {**os.environ, "KERAS_BACKEND": "jax"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.sharding_run", str(devices)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return report_of("tests.sharding_run", str(devices), backend="jax", timeout=300)
 
 
 @pytest.fixture(scope="module")

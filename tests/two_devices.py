@@ -4,13 +4,18 @@ framework starts, so each run calls `before_keras()` before it imports
 Keras, and `split_tensorflow_cpu()` before TensorFlow runs anything.
 
 Only a run's own process may call them: pytest imports these modules
-(`--doctest-modules`) in the process that runs the rest of the suite.
+(`--doctest-modules`) in the process that runs the rest of the suite. The
+tests start each run with `report_of`.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 
 BACKEND = os.environ.get("KERAS_BACKEND", "jax")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 8  # the runs' global batch: 4 samples per replica
 
 
@@ -58,3 +63,15 @@ def distributed(mode):
     import tensorflow as tf
 
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope()
+
+
+def report_of(module, *args, backend=BACKEND, timeout=600):
+    """Runs `python -m module *args` on `backend` in a fresh process (the
+    tests' side: device counts are fixed when the framework starts) and
+    returns the JSON its last line prints; its stderr's tail if it fails."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

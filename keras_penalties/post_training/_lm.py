@@ -13,6 +13,7 @@ import keras
 from keras import ops
 
 from keras_penalties import ops as penalties
+from keras_penalties._saving import with_hint, without_hint
 from keras_penalties.distillation._parts import Head
 
 
@@ -101,3 +102,24 @@ def aligned(values: Any) -> Any:
     token, tokens 1.. (as the models score them); per sequence as it is."""
     values = ops.cast(ops.convert_to_tensor(values), "float32")
     return values if len(values.shape) == 1 else values[:, 1:]
+
+
+def head_name(head: Any) -> Any:
+    """`head` as a config keeps it: None, or a layer's name."""
+    return head if head is None or isinstance(head, str) else head.name
+
+
+def models_config(policy: keras.Model, reference: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """A post-training model's config: its policy and reference serialized,
+    then its `options`."""
+    serialized = None if reference is None else keras.saving.serialize_keras_object(reference)
+    return with_hint({"policy": keras.saving.serialize_keras_object(policy), "reference": serialized, **options})
+
+
+def models_from_config(config: dict[str, Any]) -> tuple[keras.Model, Any, dict[str, Any]]:
+    """The policy, the reference (or None) and the other options of a
+    `models_config`."""
+    config = without_hint(config)
+    policy = keras.saving.deserialize_keras_object(config.pop("policy"))
+    reference = config.pop("reference")
+    return policy, None if reference is None else keras.saving.deserialize_keras_object(reference), config

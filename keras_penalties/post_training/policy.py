@@ -11,12 +11,18 @@ from keras import ops
 from keras_penalties import _replicas
 from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
-from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, Estimator, PolicyLevel, PolicyLoss, PolicyReduction, Tensor
 from keras_penalties.ops import _policy_kinds as kinds
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops.policy import ESTIMATORS, POLICY_LEVELS, POLICY_LOSSES
-from keras_penalties.post_training._lm import LanguageModel, aligned, frozen_copy
+from keras_penalties.post_training._lm import (
+    LanguageModel,
+    aligned,
+    frozen_copy,
+    head_name,
+    models_config,
+    models_from_config,
+)
 
 REQUIRED = ("token_ids", "completion_mask", "advantages")
 # TRL's GRPO log names; the clip fractions for the kinds with a ratio.
@@ -137,7 +143,7 @@ class PolicyModel(keras.Model):
         elif reference is not None:
             reference.trainable = False
         self.reference = reference
-        self.head_name = head if head is None or isinstance(head, str) else head.name
+        self.head_name = head_name(head)
         self.reference_lm = None if reference is None else LanguageModel(reference, self.head_name, "reference")
         self.kind, self.clip, self.level, self.reduction = kind, options["clip"], level, reduction
         self.importance_sampling = importance_sampling
@@ -299,11 +305,11 @@ class PolicyModel(keras.Model):
     # ---------------------------------------------------------------- Keras
 
     def get_config(self) -> dict[str, Any]:
-        return with_hint(
+        return models_config(
+            self.policy,
+            self.reference,
             {
                 "name": self.name,
-                "policy": keras.saving.serialize_keras_object(self.policy),
-                "reference": None if self.reference is None else keras.saving.serialize_keras_object(self.reference),
                 "kind": self.kind,
                 "clip": self.clip,
                 "level": self.level,
@@ -316,16 +322,13 @@ class PolicyModel(keras.Model):
                 "head": self.head_name,
                 "chunk_size": self.chunk_size,
                 "loss_options": self.loss_options,
-            }
+            },
         )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "PolicyModel":
-        config = without_hint(config)
-        policy = keras.saving.deserialize_keras_object(config.pop("policy"))
-        reference = config.pop("reference")
-        reference = None if reference is None else keras.saving.deserialize_keras_object(reference)
-        return cls(policy, reference, **config)
+        policy, reference, options = models_from_config(config)
+        return cls(policy, reference, **options)
 
 
 def _padding(x):

@@ -10,12 +10,19 @@ from keras import ops
 from keras_penalties import _replicas
 from keras_penalties import _validation as check
 from keras_penalties import ops as penalties
-from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import ChunkSize, PreferenceKind, Tensor, UnpairedKind
 from keras_penalties.ops import _preference_kinds as kinds
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops import unpaired
-from keras_penalties.post_training._lm import LanguageModel, aligned, frozen_copy, side_by_side
+from keras_penalties.post_training._lm import (
+    LanguageModel,
+    aligned,
+    frozen_copy,
+    head_name,
+    models_config,
+    models_from_config,
+    side_by_side,
+)
 
 UNPAIRED = ("kto", "apo_zero_unpaired")
 KINDS = (*kinds.KINDS, *UNPAIRED)
@@ -150,9 +157,9 @@ class PreferenceModel(keras.Model):
         elif reference is not None:
             reference.trainable = False
         self.reference = reference
-        self.reference_lm = None if reference is None else LanguageModel(reference, _head_name(head), "reference")
+        self.reference_lm = None if reference is None else LanguageModel(reference, head_name(head), "reference")
         self.kind, self.beta, self.nll_weight, self.chunk_size = kind, beta, nll_weight, chunk_size
-        self.head_name = _head_name(head)
+        self.head_name = head_name(head)
         self.loss_options = loss_options
         logs = UNPAIRED_LOGS if kind in UNPAIRED else PAIRED_LOGS + (("nll",) if nll_weight else ())
         # Keras' own tracker logs `loss` (compute_loss's value).
@@ -346,28 +353,21 @@ class PreferenceModel(keras.Model):
     # ---------------------------------------------------------------- Keras
 
     def get_config(self) -> dict[str, Any]:
-        return with_hint(
+        return models_config(
+            self.policy,
+            self.reference,
             {
                 "name": self.name,
-                "policy": keras.saving.serialize_keras_object(self.policy),
-                "reference": None if self.reference is None else keras.saving.serialize_keras_object(self.reference),
                 "kind": self.kind,
                 "beta": self.beta,
                 "nll_weight": self.nll_weight,
                 "head": self.head_name,
                 "chunk_size": self.chunk_size,
                 "loss_options": self.loss_options,
-            }
+            },
         )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "PreferenceModel":
-        config = without_hint(config)
-        policy = keras.saving.deserialize_keras_object(config.pop("policy"))
-        reference = config.pop("reference")
-        reference = None if reference is None else keras.saving.deserialize_keras_object(reference)
-        return cls(policy, reference, **config)
-
-
-def _head_name(head):
-    return head if head is None or isinstance(head, str) else head.name
+        policy, reference, options = models_from_config(config)
+        return cls(policy, reference, **options)
