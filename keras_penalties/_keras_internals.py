@@ -433,3 +433,27 @@ def tf_records_backprop(tensors):
     except ImportError:  # pragma: no cover - a TF without the helper
         return True
     return record.should_record_backprop(tensors)
+
+
+# --- Nested layers ------------------------------------------------------------
+
+
+def nested_layers(layer):
+    """Every layer nested in `layer` (not itself), depth first in the order
+    each layer tracks its sublayers (a backbone's embedding, then its
+    layer 0 and everything inside it, then layer 1, …), each once.
+
+    Keras has no public traversal of nested layers. Relies on: each layer's
+    `_layers` list, the sublayers it tracks in assignment order (Keras 3.0
+    on; `_flatten_layers` walks it too, reversing siblings).
+    """
+    found, seen = [], {id(layer)}
+    stack = list(reversed(layer._layers))
+    while stack:
+        each = stack.pop()
+        if id(each) in seen:
+            continue
+        seen.add(id(each))
+        found.append(each)
+        stack.extend(reversed(each._layers))
+    return found

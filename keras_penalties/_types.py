@@ -95,6 +95,8 @@ PenaltyName: TypeAlias = Literal[
     "policy_loss",
     "preference_loss",
     "preference_reward",
+    "router_load_balancing",
+    "router_z_loss",
     "topk_kl",
     "unpaired_preference_loss",
 ]

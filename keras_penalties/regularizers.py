@@ -277,4 +277,90 @@ class OutputMagnitude(_PenaltyRegularizer):
         return penalties.output_magnitude(x, reduction="sum", **self._options)
 
 
-__all__ = ["L1", "L2", "ElasticNet", "Orthogonality", "Entropy", "KLSparsity", "OutputMagnitude"]
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RouterLoadBalancing(_PenaltyRegularizer):
+    """A mixture-of-experts router's load-balancing loss for
+    `activity_regularizer=` on the router (a Dense producing [..., E]
+    logits): the layer adds factor × `ops.router_load_balancing(output,
+    top_k=top_k)` (+ z_loss × `ops.router_z_loss(output)`: a layer takes one
+    activity regularizer, and ST-MoE uses both).
+
+    Both are batch statistics, so `reg(x)` is multiplied by x's axis 0 to
+    cancel Keras' division, for [B·S, H] rows as for [B, S, H] sequences.
+    Every token counts, padding too: use it where batches are unpadded, else
+    the op with a `mask` (or a `Term`). A model with one on each of L routers
+    adds `pool="layer"`'s sum. The value is float32 from half precision.
+
+    Args:
+        factor: the load-balancing weight, ≥ 0.
+        top_k: k, the experts each token is routed to (an int ≥ 1).
+        z_loss: the router z-loss's weight, ≥ 0 (ST-MoE: 1e-3).
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties.regularizers import RouterLoadBalancing
+    >>> logits = [[math.log(3.0), 0.0], [0.0, math.log(3.0)]]  # balanced: 1
+    >>> round(float(RouterLoadBalancing(0.01, top_k=1)(logits)), 6)  # × 2 rows
+    0.02
+    """
+
+    penalty = staticmethod(penalties.router_load_balancing)
+
+    def __init__(self, factor: float, top_k: int, z_loss: float = 0.0) -> None:
+        super().__init__(factor, top_k=top_k)
+        self.z_loss = check.non_negative("z_loss", z_loss)
+
+    def value(self, x: TensorLike) -> Tensor:
+        return _times_rows(super().value(x), x)
+
+    def __call__(self, x: TensorLike) -> Tensor:
+        value = super().__call__(x)
+        if not self.z_loss:
+            return value
+        x = ops.convert_to_tensor(x)
+        x = ops.cast(x, "float32") if backend.is_half(x.dtype) else x
+        return value + self.z_loss * _times_rows(penalties.router_z_loss(x), x)
+
+    def get_config(self) -> dict[str, Any]:
+        return with_hint({"factor": self.factor, "top_k": self.top_k, "z_loss": self.z_loss})
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class RouterZLoss(_PenaltyRegularizer):
+    """The router z-loss for `activity_regularizer=` on a mixture-of-experts
+    router: the layer adds factor × `ops.router_z_loss(output)` (ST-MoE's
+    weight: 1e-3). A batch statistic, so `reg(x)` is multiplied by x's axis
+    0, as `RouterLoadBalancing`'s; every token counts, padding too.
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties.regularizers import RouterZLoss
+    >>> round(float(RouterZLoss(1.0)([[0.0, 0.0]])), 6)  # (ln 2)², one row
+    0.480453
+    """
+
+    penalty = staticmethod(penalties.router_z_loss)
+
+    def value(self, x: TensorLike) -> Tensor:
+        return _times_rows(super().value(x), x)
+
+
+def _times_rows(value: Tensor, x: TensorLike) -> Tensor:
+    """A batch statistic times x's axis 0, which Keras divides an activity
+    regularizer's value by."""
+    return value * ops.cast(ops.shape(ops.convert_to_tensor(x))[0], value.dtype)
+
+
+__all__ = [
+    "L1",
+    "L2",
+    "ElasticNet",
+    "Orthogonality",
+    "Entropy",
+    "KLSparsity",
+    "OutputMagnitude",
+    "RouterLoadBalancing",
+    "RouterZLoss",
+]

@@ -107,6 +107,26 @@ CASES = {
         ("labels", "hidden", "kernel"),
         ("hidden", "kernel"),
     ),
+    "cross_entropy/z_loss_linear": (
+        lambda labels, hidden, kernel: P.cross_entropy(
+            labels, _linear(hidden, kernel), mask=M, chunk_size=4, z_loss=0.1, temperature=1.5
+        ),
+        ("labels", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "token_logprobs/logsumexp_top1": (
+        lambda labels, hidden, kernel: P.token_logprobs(
+            labels, _linear(hidden, kernel), mask=M, chunk_size=4, return_logsumexp=True, return_top1=True
+        ),
+        ("labels", "hidden", "kernel"),
+        ("hidden", "kernel"),
+    ),
+    "router_load_balancing": (
+        lambda p, q: P.router_load_balancing([p, q], top_k=2, mask=M),
+        ("p", "q"),
+        ("p", "q"),
+    ),
+    "router_z_loss": (lambda p, q: P.router_z_loss([p, q], mask=M, pool="layer"), ("p", "q"), ("p", "q")),
     "token_logprobs": (
         lambda labels, q: P.token_logprobs(labels, q, mask=M, return_entropy=True),
         ("labels", "q"),

@@ -38,6 +38,7 @@ from keras_penalties.ops.preference import (
     preference_reward as preference_reward,
 )
 from keras_penalties.ops.returns import discounted_cumsum as discounted_cumsum
+from keras_penalties.ops.routers import router_load_balancing as router_load_balancing, router_z_loss as router_z_loss
 from keras_penalties.ops.token_masks import entropy_mask as entropy_mask, trust_region_mask as trust_region_mask
 from keras_penalties.ops.topk import topk_kl as topk_kl
 from keras_penalties.ops.unpaired import unpaired_preference_loss as unpaired_preference_loss

@@ -317,11 +317,12 @@ def _fused_values(values_fn, tensors, labels, chunk_size, compute):
     return ops.reshape(chunks.unpadded_rows(flat, n, chunk_size), tuple(ops.shape(like)[:-1]))
 
 
-def token_columns(values_fn, logits, labels, mask, chunk_size, several, extra):
+def token_columns(values_fn, logits, labels, mask, chunk_size, several, extra, groups=1):
     """Several values a position from one class tensor (logits, or lazy
     `LinearLogits`): `values_fn(logits, labels=...)` gives [rows, k] from
     [rows, classes] logits and the rows' labels ([rows], or [rows, K] with
-    `several`): a value for each label, then `extra` more (an entropy).
+    `several`): `groups` values for each label (a log-probability, whether
+    it is the largest), then `extra` more (an entropy).
     Returned as the positions' shape + (k,), in the logits' dtype, 0 where
     `mask` or a negative label drops a position (no gradient there, whatever
     its inputs hold), NaN at a label ≥ V (`label_mask`). With `chunk_size`
@@ -347,11 +348,11 @@ def token_columns(values_fn, logits, labels, mask, chunk_size, several, extra):
     # The number of columns stays static where the labels' is (a [..., K]
     # reshape to -1 loses it under tf.function).
     per_label = labels.shape[-1] if several else 1
-    width = per_label + extra if isinstance(per_label, int) else -1
+    width = groups * per_label + extra if isinstance(per_label, int) else -1
     values = ops.reshape(values, tuple(ops.shape(parts[0])[:-1]) + (width,))
     values = reductions.fill_masked(values, mask)
     if not several:
         beyond = ops.expand_dims(beyond, -1)
-    if extra:  # an entropy reads no label
-        beyond = ops.concatenate([beyond] + [ops.zeros_like(beyond[..., :1])] * extra, axis=-1)
+    if groups > 1 or extra:  # an entropy reads no label
+        beyond = ops.concatenate([beyond] * groups + [ops.zeros_like(beyond[..., :1])] * extra, axis=-1)
     return dtypes.from_compute(_poisoned(values, beyond), dtype)

@@ -158,6 +158,7 @@ def linear(
     axis=check.integer,
     reduction=check.TOKEN_REDUCTION,
     chunk_size=check.chunk_size,
+    z_loss=check.non_negative,
 )
 def cross_entropy(
     labels: TensorLike,
@@ -170,6 +171,7 @@ def cross_entropy(
     axis: int = -1,
     reduction: TokenReduction = "mean",
     chunk_size: ChunkSize = None,
+    z_loss: float = 0.0,
 ) -> Tensor:
     """Cross-entropy of integer labels: −log p(label) along `axis`, in nats.
 
@@ -202,6 +204,18 @@ def cross_entropy(
         chunk_size: None, "auto", or rows per chunk (as in `kl_divergence`);
             with `ops.linear(...)` logits every reduction forms no
             [positions, classes] array, forward or backward.
+        z_loss: λ ≥ 0, the logit z-loss (PaLM; OLMo's 1e-5, Liger's
+            `lse_square_scale`): each kept position's value is CE_t +
+            λ·lse_t², lse_t the logsumexp of the logits the cross-entropy
+            reads (after `ops.linear`'s soft cap, over `temperature`), from
+            the chunks the pass forms anyway (no extra product); its
+            gradient adds 2λ·lse_t·softmax(z_t). Every reduction applies to
+            the sum; `label_smoothing` is unaffected.
+
+    Raises:
+        ValueError: `z_loss` < 0 or not finite, or > 0 with
+            `from_logits=False` (no logits, no logsumexp); a bad option,
+            shape or axis (named).
 
     Example:
 
@@ -212,9 +226,17 @@ def cross_entropy(
     1.039721
     >>> round(float(P.cross_entropy([0, 1], logits, mask=[1, 0])), 6)  # ln 2
     0.693147
+    >>> round(float(P.cross_entropy([0], [[0.0, 0.0]], z_loss=0.1)), 6)  # ln 2 + 0.1·ln²2
+    0.741193
     """
+    if z_loss and not from_logits:
+        raise ValueError("`z_loss` > 0 needs logits (`from_logits=True`): it is λ·logsumexp(logits)².")
     values = functools.partial(
-        _cross_entropy_values, from_logits=from_logits, label_smoothing=label_smoothing, temperature=temperature
+        _cross_entropy_values,
+        from_logits=from_logits,
+        label_smoothing=label_smoothing,
+        temperature=temperature,
+        z_loss=z_loss,
     )
     return token_level(
         values, (logits,), ("logits",), axis, reduction, mask, chunk_size, from_logits=from_logits, labels=labels
@@ -227,6 +249,8 @@ def cross_entropy(
     chunk_size=check.chunk_size,
     return_entropy=check.boolean,
     return_log_sum_sq=check.boolean,
+    return_logsumexp=check.boolean,
+    return_top1=check.boolean,
 )
 def token_logprobs(
     labels: TensorLike,
@@ -237,6 +261,8 @@ def token_logprobs(
     chunk_size: ChunkSize = None,
     return_entropy: bool = False,
     return_log_sum_sq: bool = False,
+    return_logsumexp: bool = False,
+    return_top1: bool = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """log p(label) at each position: the sampled tokens' log-probabilities.
 
@@ -272,12 +298,21 @@ def token_logprobs(
             the same chunks (no extra matrix product), a constant (no
             gradient, as TRL's fused head marks it): WPO's input
             (`preference_loss(..., chosen_log_sum_sq=...)`).
+        return_logsumexp: also return lse_t = logsumexp(logits / T) at each
+            position (nats), differentiable, from the same chunks:
+            λ·mean(lse²) over the kept positions is the logit z-loss of any
+            loss built from log-probabilities (RL, DPO).
+        return_top1: also return 1.0 where the label's logit is the largest
+            at its position (ties count), else 0: a constant of `labels`'
+            shape (one per id with [..., K] labels), from the same chunks;
+            its mean over the kept positions is TRL's `mean_token_accuracy`.
 
     Returns:
-        The log-probabilities, `labels`' shape; with `return_entropy` or
-        `return_log_sum_sq`, a tuple `(logprobs, entropy, log_sum_sq)` of
-        those asked for, in that order, each extra one of the positions'
-        shape (one a position, also with K ids). In the logits' dtype.
+        The log-probabilities, `labels`' shape; with any `return_*`, a tuple
+        `(logprobs, entropy, log_sum_sq, logsumexp, top1)` of those asked
+        for, in that order, each extra one of the positions' shape (one a
+        position, also with K ids) but `top1`, of `labels`' shape. In the
+        logits' dtype; 0 at masked positions.
 
     Example:
 
@@ -300,7 +335,7 @@ def token_logprobs(
             f"plus K ids a position; got {tuple(ids.shape)}."
         )
     several = len(ids.shape) == positions + 1
-    if not several and not return_entropy and not return_log_sum_sq:
+    if not several and not (return_entropy or return_log_sum_sq or return_logsumexp or return_top1):
         values = cross_entropy(
             labels,
             logits,
@@ -316,16 +351,25 @@ def token_logprobs(
         temperature=temperature,
         entropy=return_entropy,
         log_sum_sq=return_log_sum_sq,
+        logsumexp=return_logsumexp,
+        top1=return_top1,
         several=several,
     )
-    extra = int(return_entropy) + int(return_log_sum_sq)
-    values = token_columns(columns, logits, ids, mask, chunk_size, several, extra)
-    logprobs = values[..., :-extra] if extra else values
+    extra = int(return_entropy) + int(return_log_sum_sq) + int(return_logsumexp)
+    groups = 2 if return_top1 else 1
+    values = token_columns(columns, logits, ids, mask, chunk_size, several, extra, groups)
+    width = ids.shape[-1] if several else 1
+    if not isinstance(width, int):  # K known at run time only
+        width = (ops.shape(values)[-1] - extra) // groups
+    logprobs = values[..., :width]
+    top1 = values[..., width : 2 * width] if return_top1 else None
     if not several:
         logprobs = logprobs[..., 0]
-    if not extra:
+        top1 = None if top1 is None else top1[..., 0]
+    rest = [values[..., groups * width + i] for i in range(extra)]
+    if not rest and top1 is None:
         return logprobs
-    return (logprobs, *(values[..., i] for i in range(-extra, 0)))
+    return (logprobs, *rest, *([] if top1 is None else [top1]))
 
 
 def _logprob_columns(
@@ -336,17 +380,41 @@ def _logprob_columns(
     entropy: bool,
     log_sum_sq: bool,
     several: bool,
+    logsumexp: bool = False,
+    top1: bool = False,
     axis: int = -1,
 ) -> Tensor:
-    """[rows, K (+ 1) (+ 1)]: log p of each row's labels ([rows] or [rows,
-    K]), then with `entropy` the row's entropy, with `log_sum_sq` its
-    log Σ p² (a constant), from the same logits (classes on the last
-    `axis`)."""
+    """[rows, K (+ K) (+ 1) (+ 1) (+ 1)]: log p of each row's labels ([rows]
+    or [rows, K]), then with `top1` whether each label's logit is the
+    row's largest (a constant), with `entropy` the row's entropy, with
+    `log_sum_sq` its log Σ p² (a constant), with `logsumexp` its lse, from
+    the same logits (classes on the last `axis`)."""
     labels = labels if several else labels[:, None]
     scaled = logits if temperature == 1.0 else logits / temperature
     fused = backend.label_logprobs(scaled, labels, entropy, log_sum_sq)
     if fused is not None:
-        return fused
+        columns = [fused]
+        logprobs = fused[:, : ops.shape(labels)[1]]
+    else:
+        columns = [_label_columns(logits, labels, temperature, entropy, log_sum_sq, several)]
+        logprobs = columns[0][:, : ops.shape(labels)[1]]
+    if not (logsumexp or top1):
+        return columns[0]
+    picked = ops.take_along_axis(scaled, labels, axis=-1)  # the labels' logits / T
+    if top1:  # after the labels' log-probabilities, before the rest
+        best = ops.max(ops.stop_gradient(scaled), axis=-1, keepdims=True)
+        won = ops.cast(ops.stop_gradient(picked) >= best, picked.dtype)
+        columns = [logprobs, won, columns[0][:, ops.shape(labels)[1] :]]
+    if logsumexp:  # lse = z_label / T − log p(label), from the label picked anyway
+        columns.append(picked[:, :1] - logprobs[:, :1])
+    return ops.concatenate(columns, axis=-1)
+
+
+def _label_columns(
+    logits: Tensor, labels: Tensor, temperature: float, entropy: bool, log_sum_sq: bool, several: bool
+) -> Tensor:
+    """`_logprob_columns`' log-probabilities, entropy and log Σ p² where the
+    backend has no fused kernel."""
     logp = num.log_probs(logits, from_logits=True, temperature=temperature, axis=-1)
     if several:
         columns = [ops.take_along_axis(logp, labels, axis=-1)]
@@ -361,14 +429,33 @@ def _logprob_columns(
 
 
 def _cross_entropy_values(
-    logits: Tensor, *, labels: Tensor, from_logits: bool, label_smoothing: float, temperature: float, axis: int
+    logits: Tensor,
+    *,
+    labels: Tensor,
+    from_logits: bool,
+    label_smoothing: float,
+    temperature: float,
+    axis: int,
+    z_loss: float = 0.0,
 ) -> Tensor:
     if from_logits and not label_smoothing and temperature == 1.0:
         fused = backend.label_cross_entropy(logits, labels, axis)
         if fused is not None:
-            return fused
+            return fused if not z_loss else fused + z_loss * _lse_squared(logits, labels, -fused, axis, temperature)
     logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
     picked = backend.pick_labels(logp, labels, axis)
-    if not label_smoothing:
-        return -picked
-    return -(1.0 - label_smoothing) * picked - label_smoothing * reductions.mean(logp, axis=axis)
+    values = -picked
+    if label_smoothing:
+        values = -(1.0 - label_smoothing) * picked - label_smoothing * reductions.mean(logp, axis=axis)
+    if not z_loss:
+        return values
+    return values + z_loss * _lse_squared(logits, labels, picked, axis, temperature)
+
+
+def _lse_squared(logits: Tensor, labels: Tensor, picked: Tensor, axis: int, temperature: float) -> Tensor:
+    """lse² at each position from log p(label) `picked`, which the
+    cross-entropy formed anyway: lse = z_label / T − log p(label) (a gather,
+    no pass over the classes)."""
+    lse = backend.pick_labels(logits, labels, axis)
+    lse = (lse if temperature == 1.0 else lse / temperature) - picked
+    return ops.square(lse)
