@@ -123,6 +123,7 @@ class RouterLogits(keras.layers.Layer):
         super().__init__(name=name)
         routers = _routers(model, layers)
         self._hooked = _Routers(routers)
+        self.built = True  # no weights to build
         for router in routers:
             recorder = router.activity_regularizer
             if not isinstance(recorder, RouterRecorder):

@@ -412,10 +412,28 @@ def train_token_objective():
             ),
             "ce_fused": fused(True),
             "ce_fused_all": fused(False),
+            "ce_z": Term(
+                "cross_entropy",
+                0.1,
+                inputs=("labels", "logits"),
+                options={"mask": "mask", "z_loss": 1e-2, "chunk_size": 4},
+            ),
+            # Two routers' logits (4 experts): counts, probability sums and
+            # kept tokens summed over the replicas.
+            "router_lb": Term(
+                "router_load_balancing", 0.5, inputs=("routers",), options={"top_k": 2, "mask": "mask"}
+            ),
+            "router_lb_layer": Term(
+                "router_load_balancing", 0.5, inputs=("routers",), options={"top_k": 1, "mask": "mask", "pool": "layer"}
+            ),
+            "router_z": Term("router_z_loss", 0.1, inputs=("routers",), options={"mask": "mask"}),
         },
         name="tok",
     )
-    outputs = objective({"logits": logits, "hidden": hidden, "labels": labels, "mask": mask})["logits"]
+    routers = [keras.layers.Dense(4, name=f"tok_router_{i}")(hidden) for i in range(2)]
+    outputs = objective({"logits": logits, "hidden": hidden, "labels": labels, "mask": mask, "routers": routers})[
+        "logits"
+    ]
     model = keras.Model([tokens, labels, mask], outputs)
     model.compile(keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(

@@ -95,7 +95,10 @@ def next_kinds_loss(values, mask=None):
     GMPO, VESPO, DPPO (CISPO on `trust_region_mask`'s tokens) at Dr. GRPO's
     constant normaliser, and KTO with its baseline z₀ from mismatched pairs
     (a global mean), over the tokens `mask` keeps ([batch]: a row's tokens;
-    None: those with values > −0.3, uneven across rows)."""
+    None: those with values > −0.3, uneven across rows); and the router
+    penalties of `values` read as one router's logits, a token a row (the
+    rows `mask` keeps; every row without it): the load balancing's counts,
+    probability sums and |S| and the z-loss's mean are global."""
     from keras import ops
 
     from keras_penalties import ops as P
@@ -136,7 +139,8 @@ def next_kinds_loss(values, mask=None):
         mask=tokens,
         kl_mask=tokens,
     )
-    return sapo + gmpo + vespo + dppo + kto
+    routers = P.router_load_balancing(values, top_k=2, mask=mask) + 0.1 * P.router_z_loss(values, mask=mask)
+    return sapo + gmpo + vespo + dppo + kto + routers
 
 
 def sequence_kl(values, mask):

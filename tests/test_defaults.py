@@ -25,7 +25,7 @@ from keras_penalties import terms as legacy_terms
 from keras_penalties.composite import weighting as rules
 from keras_penalties.distillation import Distiller, LogitsDivergence
 from tests import oracles as O
-from tests import rl_oracles
+from tests import rl_oracles, router_oracles
 from tests.testing import grads, to_numpy
 
 RNG = np.random.default_rng(56)
@@ -100,7 +100,12 @@ REGULARIZER_ORACLES = {
     "Entropy": lambda f, x: f * O.np_entropy(x, reduction="sum"),
     "KLSparsity": lambda f, x: f * O.np_kl_sparsity(x) * len(x),
     "OutputMagnitude": lambda f, x: f * O.np_output_magnitude(x, reduction="sum"),
+    # Batch statistics of router logits, times the batch (Keras divides by it).
+    "RouterLoadBalancing": lambda f, x: f * router_oracles.keras_hub_load_balancing_loss(x, U, 2) * len(x),
+    "RouterZLoss": lambda f, x: f * router_oracles.st_moe_z_loss(x) * len(x),
 }
+# The regularizers' required arguments beside the factor.
+REGULARIZER_REQUIRED = {"RouterLoadBalancing": {"top_k": 2}}
 # (regularizer, where, the layer's activation: the input the penalty expects).
 REGULARIZER_PLACES = [
     ("L1", "kernel", None),
@@ -113,6 +118,8 @@ REGULARIZER_PLACES = [
     ("Entropy", "activity", "softmax"),
     ("KLSparsity", "activity", "sigmoid"),
     ("OutputMagnitude", "activity", "tanh"),
+    ("RouterLoadBalancing", "activity", None),
+    ("RouterZLoss", "activity", None),
 ]
 _covers(*(f"regularizers.{name}" for name in REGULARIZER_ORACLES))
 
@@ -120,7 +127,7 @@ _covers(*(f"regularizers.{name}" for name in REGULARIZER_ORACLES))
 @pytest.mark.parametrize("name, where, activation", REGULARIZER_PLACES)
 def test_regularizer_with_its_factor_only(name, where, activation):
     factor = 0.01
-    regularizer = getattr(regularizers, name)(factor)
+    regularizer = getattr(regularizers, name)(factor, **REGULARIZER_REQUIRED.get(name, {}))
     model = _model(activation, **{f"{where}_regularizer": regularizer})
     model.compile("adam", "mse")
     _, logs = _fit_and_evaluate(model)
@@ -461,6 +468,11 @@ OPS_ON_ARRAYS = {
         lambda: P.unpaired_preference_loss(LOGPROBS, REF, DESIRABLE, kl_logprobs=OLD, ref_kl_logprobs=REF),
         lambda: np.mean(_kto_losses()),
     ),
+    "router_load_balancing": (
+        lambda: P.router_load_balancing(LOGITS, top_k=1),
+        lambda: router_oracles.keras_hub_load_balancing_loss(LOGITS, C, 1),
+    ),
+    "router_z_loss": (lambda: P.router_z_loss(LOGITS), lambda: router_oracles.st_moe_z_loss(LOGITS)),
     "discounted_cumsum": (
         lambda: P.discounted_cumsum(LOGPROBS, 0.5),
         lambda: np.stack([sum(0.5**k * LOGPROBS[:, t + k] for k in range(7 - t)) for t in range(7)], -1),
@@ -681,6 +693,40 @@ def test_the_release_old_terms_module_with_names_only():
 
 
 _covers("terms.Term", "terms.build_terms", "terms.serialize_terms", "terms.deserialize_terms")
+
+
+class _RouterLoss(keras.Model):
+    """A model whose loss adds the z-loss of its router, read by RouterLogits."""
+
+    def __init__(self, model):
+        super().__init__(name="router_loss")
+        self.inner = model
+        self.routers = keras_penalties.RouterLogits(model)
+
+    def call(self, x):
+        return self.inner(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + P.router_z_loss(self.routers(y_pred))
+
+
+def test_router_logits_with_its_model_only():
+    # A router named as keras-hub names its routers: found without `layers`.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((D,))
+    router = keras.layers.Dense(U, name="router_gate")
+    model = keras.Model(inputs, keras.layers.Dense(K)(router(inputs)))
+    trained = _RouterLoss(model)
+    trained.compile("adam", "mse")
+    _, logs = _fit_and_evaluate(trained)
+    kernel, bias = _weights(model, "router_gate")
+    z = X.astype(np.float64) @ kernel + bias
+    mse = np.mean((to_numpy(model(X)) - Y) ** 2)
+    np.testing.assert_allclose(logs["loss"], mse + router_oracles.st_moe_z_loss(z), rtol=2e-5)
+
+
+_covers("RouterLogits")
 
 
 def _public_names():

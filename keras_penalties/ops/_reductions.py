@@ -6,6 +6,7 @@ of a masked mean, which composites make the global batch's under a
 import contextlib
 import contextvars
 
+import keras
 from keras import ops
 
 from keras_penalties import _replicas, backend
@@ -94,8 +95,9 @@ def at_least_one(n):
     """max(n, 1) for a size: a sum over nothing is 0, and 0 divided by it
     stays 0 (an empty batch gives 0, not NaN). A size known only at run time
     is a tensor on TensorFlow; on JAX, in a layer's symbolic call, it is a
-    symbolic dimension, which must stay one (a shape cannot hold an array)."""
-    return ops.maximum(n, 1) if ops.is_tensor(n) else max(n, 1)
+    symbolic dimension, which must stay one (a shape cannot hold an array);
+    a count summed from symbolic inputs is a KerasTensor."""
+    return ops.maximum(n, 1) if ops.is_tensor(n) or isinstance(n, keras.KerasTensor) else max(n, 1)
 
 
 def mean(x, axis=None):

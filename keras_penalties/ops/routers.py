@@ -97,10 +97,10 @@ def router_load_balancing(
     if top_k > experts:
         raise ValueError(f"`top_k` must be an int in [1, E] = [1, {experts}]; got {top_k}.")
     z, kept = _masked_logits(layers, mask)
-    n_layers, tokens = len(layers), ops.shape(z)[1]
+    n_layers = len(layers)
     probs = ops.softmax(z, axis=-1)
     _, chosen = ops.top_k(ops.stop_gradient(z), k=top_k)  # [L, N, k]
-    weight = ops.ones((tokens,), "float32") if kept is None else kept
+    weight = ops.ones_like(z[0, :, 0]) if kept is None else kept  # (a symbolic N has no ops.ones)
     # Σ_t M_t·1[i ∈ T_{l,t}] as [L, E]: a segment sum, no [L, N, k, E] one-hot.
     segments = chosen + ops.reshape(ops.arange(n_layers, dtype=chosen.dtype) * experts, (n_layers, 1, 1))
     routed = ops.broadcast_to(ops.reshape(weight, (1, -1, 1)), ops.shape(chosen))
@@ -159,7 +159,7 @@ def router_z_loss(
     z, kept = _masked_logits(layers, mask)
     squares = ops.square(ops.logsumexp(z, axis=-1))  # [L, N]
     if kept is None:
-        total, size = ops.sum(squares), ops.cast(ops.shape(z)[1], "float32")
+        total, size = ops.sum(squares), ops.sum(ops.ones_like(squares[0]))
     else:
         total, size = ops.sum(squares * kept), ops.sum(kept)
     if pool == "all":
