@@ -420,9 +420,7 @@ def train_token_objective():
             ),
             # Two routers' logits (4 experts): counts, probability sums and
             # kept tokens summed over the replicas.
-            "router_lb": Term(
-                "router_load_balancing", 0.5, inputs=("routers",), options={"top_k": 2, "mask": "mask"}
-            ),
+            "router_lb": Term("router_load_balancing", 0.5, inputs=("routers",), options={"top_k": 2, "mask": "mask"}),
             "router_lb_layer": Term(
                 "router_load_balancing", 0.5, inputs=("routers",), options={"top_k": 1, "mask": "mask", "pool": "layer"}
             ),
