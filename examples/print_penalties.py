@@ -58,6 +58,10 @@ def main():
         "topk_kl(teacher top-2, student, tail)": P.topk_kl(
             P.token_logprobs(top_ids, teacher), P.token_logprobs(top_ids, logits)
         ),
+        # The logits as one mixture-of-experts router's (5 experts, each row a token), top 2.
+        "router_load_balancing(logits, top_k=2)": P.router_load_balancing(logits, top_k=2),
+        "router_z_loss(logits)": P.router_z_loss(logits),
+        "cross_entropy(labels, logits, z_loss=1e-4)": P.cross_entropy(labels, logits, z_loss=1e-4),
         # Logits never formed: hidden states and the head, two rows per chunk.
         "cross_entropy(labels, linear(hidden, head), chunks)": P.cross_entropy(
             labels, P.linear(hidden, head), chunk_size=2

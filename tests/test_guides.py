@@ -30,6 +30,15 @@ def test_guide_runs(path, monkeypatch, capsys):
         # 12 DPO steps on pairs a rule decides: the reward margin and the accuracy rise.
         assert float(margin.group(2)) > float(margin.group(1)) + 0.05, out
         assert float(accuracy.group(2)) > 0.75, out
+    largest = re.search(r"largest expert share: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
+    if path.name == "moe_router_losses.py" and "needs keras-hub" not in out:
+        # Two favoured experts at first: the load-balancing loss evens the shares out.
+        first, last = map(float, largest.groups())
+        assert last < first - 0.03, out
+        # keras-hub's per-layer value (padding counted) is ours per layer without a mask.
+        theirs = float(re.search(r"keras-hub, per layer \(padding counted\): +([0-9.]+)", out).group(1))
+        ours = float(re.search(r"ours, pool='layer', no mask: +([0-9.]+)", out).group(1))
+        assert abs(theirs - ours) < 1e-3, out
     kl = re.search(r"reverse KL: ([0-9.]+) at the first step -> ([0-9.]+) at the last", out)
     if path.name == "on_policy_distillation.py" and "needs keras-hub" not in out:
         # 16 steps on the student's own samples: the per-token reverse KL to the teacher falls.
