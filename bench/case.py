@@ -20,6 +20,8 @@ class Case:
     flops: float = None
     memory_floor: float = None
     floor_limit: float = None
+    # The backends that have the row (a native peer of one backend), None: all.
+    backends: tuple = None
 
 
 def gradient_sides(inputs, ours_fn, reference_fn, count=2):

@@ -2,7 +2,6 @@
 doing one unit of work (and waiting for it), on the current backend."""
 
 import functools
-import os
 
 import keras
 import numpy as np
@@ -10,7 +9,10 @@ from keras import ops
 
 from bench import native
 from bench.case import Case, gradient_sides
+from bench.head_inputs import HEAD_CHUNK, HEAD_SHAPE
+from bench.head_inputs import head_inputs as _head_inputs
 from bench.post_training_cases import POST_TRAINING_CASES
+from bench.router_cases import ROUTER_CASES
 from bench.preference_cases import PREFERENCE_CASES
 from bench.rl_cases import NAME as _RL_NAME
 from bench.rl_cases import RL_CASES
@@ -157,30 +159,7 @@ LLM_CASES = [
 
 # ---------------------------------------------------------------- LLM heads: losses from hidden states
 
-HEAD_SHAPE = (2048, 256, 128256)  # tokens, hidden size, vocabulary
-# Rows per chunk: "auto" (the backend's budget: 65 rows of 128256 on JAX and
-# torch, 130 on TF); HEAD_CHUNK=... overrides it, to explore.
-HEAD_CHUNK = int(os.environ["HEAD_CHUNK"]) if os.environ.get("HEAD_CHUNK") else "auto"
-
-
-def _head_inputs(small):
-    """mask (25 % of tokens masked), labels, a frozen teacher's hidden states
-    and kernel, then the student's: the last two are differentiated."""
-    tokens, hidden, vocab = (64, 16, 1000) if small else HEAD_SHAPE
-    rng = np.random.default_rng(0)
-
-    def normal(*shape, scale=1.0):
-        return ops.convert_to_tensor((scale * rng.standard_normal(size=shape, dtype=np.float32)))
-
-    return [
-        ops.convert_to_tensor((rng.uniform(size=tokens) >= 0.25).astype("float32")),
-        ops.convert_to_tensor(rng.integers(0, vocab, size=tokens).astype("int32")),
-        normal(tokens, hidden),
-        normal(hidden, vocab, scale=hidden**-0.5),
-        normal(tokens, hidden),
-        normal(hidden, vocab, scale=hidden**-0.5),
-    ]
-
+# The heads' inputs and chunk size: bench/head_inputs.py.
 
 _HEAD_FUNCTIONS = {
     # name -> (fused: from hidden states, ours on logits formed first, the peer on them)
@@ -594,6 +573,7 @@ CASES = (
     + DISTILLER_CASES
     + NORM_CASES
     + POST_TRAINING_CASES
+    + ROUTER_CASES
 )
 
 # Misses that a measurement shows out of reach (bench/results/README.md,

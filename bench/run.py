@@ -248,6 +248,8 @@ def run(small, repeats, only, output, memory=True):
     for index, case in enumerate(CASES):
         if only and not _selected(case.name, only):
             continue
+        if case.backends is not None and native.BACKEND not in case.backends:
+            continue  # a native peer of another backend
         row = measure(index, small, repeats, memory)
         print(_line(row), flush=True)
         rows[:] = _merge(rows, [row])

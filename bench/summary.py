@@ -51,7 +51,10 @@ def table():
                 mark = "‡" if measured_out and (backend, case.name) in PEER_OUT_OF_MEMORY else ""
                 if mark:
                     notes.append(f"- ‡ {backend}, {case.name}: {PEER_OUT_OF_MEMORY[backend, case.name]}.")
-                cells.append("not run yet" if r is None else f"not measured{mark}")
+                if r is None and case.backends is not None and backend not in case.backends:
+                    cells.append("–")  # a peer of another backend's
+                else:
+                    cells.append("not run yet" if r is None else f"not measured{mark}")
                 continue
             memory = "" if r["memory_ratio"] is None else f" ({r['memory_ratio']:.2f})"
             mark = "" if r["met"] is None else (" ✓" if r["met"] else " ✗")

@@ -30,7 +30,7 @@ if __name__ == "__main__":
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_penalties import CompositeObjective, Term  # noqa: E402
+from keras_penalties import CompositeObjective, RouterLogits, Term  # noqa: E402
 from keras_penalties import losses as L  # noqa: E402
 from keras_penalties import regularizers as R  # noqa: E402
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor  # noqa: E402
@@ -428,7 +428,11 @@ def train_token_objective():
         },
         name="tok",
     )
-    routers = [keras.layers.Dense(4, name=f"tok_router_{i}")(hidden) for i in range(2)]
+    # The routers' logits as RouterLogits hands them out, each replica its own
+    # (read after both routers: their sum orders the call).
+    router_layers = [keras.layers.Dense(4, name=f"tok_router_{i}") for i in range(2)]
+    router_outputs = [layer(hidden) for layer in router_layers]
+    routers = RouterLogits(router_layers[0], layers=router_layers)(router_outputs[0] + router_outputs[1])
     outputs = objective({"logits": logits, "hidden": hidden, "labels": labels, "mask": mask, "routers": routers})[
         "logits"
     ]

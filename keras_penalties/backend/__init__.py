@@ -42,10 +42,11 @@ names, and importing fails if one is defined by neither):
   None where there is none (TF inside a chunk loop: the fused
   `sparse_softmax_cross_entropy_with_logits`, which has no second
   derivative, and a chunk's gradient is first order anyway).
-- `label_logprobs(logits, labels, entropy, log_sum_sq=False)`: [rows, K
-  (+ 1) (+ 1)], log softmax(logits) [rows, V] at each row's K labels and,
-  with `entropy`, the row's entropy, with `log_sum_sq` its log Σp² (a
-  constant), last, by a cheaper way than a log-softmax, a pick and an
+- `label_logprobs(logits, labels, entropy, log_sum_sq=False, logsumexp=False)`:
+  [rows, K (+ 1) (+ 1) (+ 1)], log softmax(logits) [rows, V] at each row's
+  K labels and, with `entropy`, the row's entropy, with `log_sum_sq` its
+  log Σp² (a constant), with `logsumexp` its lse (differentiable), last,
+  by a cheaper way than a log-softmax, a pick and an
   entropy, or None where there is none (torch inside a chunk loop: an
   `autograd.Function` whose gradient is two passes over the chunk, first
   order).

@@ -64,12 +64,12 @@ def label_cross_entropy(logits, labels, axis):
     return None
 
 
-def label_logprobs(logits, labels, entropy, log_sum_sq=False):
-    """[rows, K (+ 1) (+ 1)]: log softmax(logits) [rows, V] at each row's
-    labels [rows, K] and, with `entropy`, the row's entropy, with
-    `log_sum_sq` its log Σp² (a constant), last, by a cheaper way than a
-    log-softmax, a pick and an entropy, or None where the backend has
-    none."""
+def label_logprobs(logits, labels, entropy, log_sum_sq=False, logsumexp=False):
+    """[rows, K (+ 1) (+ 1) (+ 1)]: log softmax(logits) [rows, V] at each
+    row's labels [rows, K] and, with `entropy`, the row's entropy, with
+    `log_sum_sq` its log Σp² (a constant), with `logsumexp` its lse
+    (differentiable), last, by a cheaper way than a log-softmax, a pick and
+    an entropy, or None where the backend has none."""
     return None
 
 

@@ -54,14 +54,15 @@ def soft_cap(logits, cap):
 
 
 class _LabelLogprobs(torch.autograd.Function):
-    """[rows, K (+ 1) (+ 1)]: log softmax(z) at each row's K labels and, with
-    `entropy`, H = −Σ p log p, with `log_sum_sq`, log Σ p² (a constant),
-    last. The gradient, for upstream g (the K labels') and h (H's): Σₖ
-    gₖ·onehotₖ − p·(Σₖ gₖ + h·(log p + H)), in two passes over the saved
-    log p and p (autograd's takes about six)."""
+    """[rows, K (+ 1) (+ 1) (+ 1)]: log softmax(z) at each row's K labels
+    and, with `entropy`, H = −Σ p log p, with `log_sum_sq`, log Σ p² (a
+    constant), with `logsumexp`, lse = logsumexp(z), last. The gradient, for
+    upstream g (the K labels'), h (H's) and s (lse's): Σₖ gₖ·onehotₖ −
+    p·(Σₖ gₖ − s + h·(log p + H)), in two passes over the saved log p and p
+    (autograd's takes about six; lse's s rides in the same pass)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, entropy, log_sum_sq):
+    def forward(ctx, logits, labels, entropy, log_sum_sq, logsumexp):
         logp = torch.log_softmax(logits, dim=-1)
         columns = [logp.gather(-1, labels)]
         p = logp.exp() if entropy or log_sum_sq else None
@@ -69,7 +70,9 @@ class _LabelLogprobs(torch.autograd.Function):
             columns.append(-torch.linalg.vecdot(p, logp)[:, None])
         if log_sum_sq:
             columns.append(torch.linalg.vecdot(p, p)[:, None].log_())
-        ctx.entropy = entropy
+        if logsumexp:  # lse = z − log p at any class: the first
+            columns.append(logits[:, :1] - logp[:, :1])
+        ctx.entropy, ctx.logsumexp = entropy, logsumexp
         # p, formed for the entropy or log Σp², is kept: the backward pass needs it too.
         ctx.save_for_backward(logp, labels, *([] if p is None else [p]), *([columns[1]] if entropy else []))
         return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
@@ -80,6 +83,8 @@ class _LabelLogprobs(torch.autograd.Function):
         k = labels.shape[-1]
         picked = upstream[:, :k]
         total = picked.sum(-1, keepdim=True)
+        if ctx.logsumexp:  # ∂lse/∂z = p: s joins the −p·Σg term
+            total = total - upstream[:, -1:]
         if ctx.entropy:
             p, h = rest
             slope = upstream[:, k : k + 1]
@@ -88,15 +93,15 @@ class _LabelLogprobs(torch.autograd.Function):
             grad = rest[0] * -total
         else:
             grad = logp.exp().mul_(-total)
-        return grad.scatter_add_(-1, labels, picked), None, None, None
+        return grad.scatter_add_(-1, labels, picked), None, None, None, None
 
 
-def label_logprobs(logits, labels, entropy, log_sum_sq=False):
+def label_logprobs(logits, labels, entropy, log_sum_sq=False, logsumexp=False):
     """As `_common.label_logprobs`; in a chunk loop, `_LabelLogprobs`
     (first order) for float32 and float64 logits."""
     if not _in_chunk.get() or logits.dtype not in (torch.float32, torch.float64):
         return None
-    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy, log_sum_sq)
+    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy, log_sum_sq, logsumexp)
 
 
 class _ChunkedSum(torch.autograd.Function):

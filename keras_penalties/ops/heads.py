@@ -391,23 +391,19 @@ def _logprob_columns(
     the same logits (classes on the last `axis`)."""
     labels = labels if several else labels[:, None]
     scaled = logits if temperature == 1.0 else logits / temperature
-    fused = backend.label_logprobs(scaled, labels, entropy, log_sum_sq)
-    if fused is not None:
-        columns = [fused]
-        logprobs = fused[:, : ops.shape(labels)[1]]
-    else:
-        columns = [_label_columns(logits, labels, temperature, entropy, log_sum_sq, several)]
-        logprobs = columns[0][:, : ops.shape(labels)[1]]
-    if not (logsumexp or top1):
-        return columns[0]
-    picked = ops.take_along_axis(scaled, labels, axis=-1)  # the labels' logits / T
-    if top1:  # after the labels' log-probabilities, before the rest
-        best = ops.max(ops.stop_gradient(scaled), axis=-1, keepdims=True)
-        won = ops.cast(ops.stop_gradient(picked) >= best, picked.dtype)
-        columns = [logprobs, won, columns[0][:, ops.shape(labels)[1] :]]
-    if logsumexp:  # lse = z_label / T − log p(label), from the label picked anyway
-        columns.append(picked[:, :1] - logprobs[:, :1])
-    return ops.concatenate(columns, axis=-1)
+    width = ops.shape(labels)[1]
+    fused = backend.label_logprobs(scaled, labels, entropy, log_sum_sq, logsumexp)
+    if fused is None:
+        fused = _label_columns(logits, labels, temperature, entropy, log_sum_sq, several)
+        if logsumexp:  # lse = z_label / T − log p(label), from the label's logit (a gather)
+            picked = ops.take_along_axis(scaled, labels[:, :1], axis=-1)
+            fused = ops.concatenate([fused, picked - fused[:, :1]], axis=-1)
+    if not top1:
+        return fused
+    # Whether each label's logit is the row's largest: a constant, after the labels' log-probabilities.
+    picked = ops.stop_gradient(ops.take_along_axis(scaled, labels, axis=-1))
+    won = ops.cast(picked >= ops.max(ops.stop_gradient(scaled), axis=-1, keepdims=True), picked.dtype)
+    return ops.concatenate([fused[:, :width], won, fused[:, width:]], axis=-1)
 
 
 def _label_columns(
@@ -442,6 +438,12 @@ def _cross_entropy_values(
         fused = backend.label_cross_entropy(logits, labels, axis)
         if fused is not None:
             return fused if not z_loss else fused + z_loss * _lse_squared(logits, labels, -fused, axis, temperature)
+    if z_loss and not label_smoothing and len(logits.shape) == 2 and axis in (-1, 1):
+        # torch's chunk kernel: log p(label) and lse in one pass, lse's gradient in the same backward.
+        scaled = logits if temperature == 1.0 else logits / temperature
+        fused = backend.label_logprobs(scaled, labels[:, None], False, False, True)
+        if fused is not None:
+            return -fused[:, 0] + z_loss * ops.square(fused[:, 1])
     logp = num.log_probs(logits, from_logits=from_logits, temperature=temperature, axis=axis)
     picked = backend.pick_labels(logp, labels, axis)
     values = -picked
