@@ -37,6 +37,7 @@ def options(
     tensors: tuple[str, ...] = (),
     per_element: bool = False,
     prediction_first: bool = False,
+    together: Callable[[dict[str, Any]], None] | None = None,
     **checks: Callable[[str, Any], Any],
 ) -> Callable[[Callable[_P, _R]], OptionsChecked[_P, _R]]:
     """Decorator: validates (and normalises) keyword options before the call.
@@ -52,18 +53,30 @@ def options(
     per element, and a term defaults to the mean over the batch, Keras'
     activity-regularizer scale) and `prediction_first` (its first tensor is
     the model's prediction: a `CompositeLoss` feeds it `(y_pred, y_true)`).
+    `together(options)` checks options against each other (a ValueError
+    naming them), after each alone. `check_options(complete=True, ...)`
+    (what a `Term` calls) also rejects a missing required option, as the
+    call would, but as a ValueError naming it, before any tensor work.
     """
 
     def decorate(fn: Callable[_P, _R]) -> OptionsChecked[_P, _R]:
-        accepted = [
-            p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+        keyword_only = [
+            p for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
         ]
+        accepted = [p.name for p in keyword_only]
+        required = [p.name for p in keyword_only if p.default is inspect.Parameter.empty]
 
-        def check_options(**opts: Any) -> dict[str, Any]:
+        def check_options(complete: bool = False, **opts: Any) -> dict[str, Any]:
             unknown = sorted(set(opts) - set(accepted))
             if unknown:
                 raise TypeError(f"{fn.__name__}() got unknown option(s) {unknown}; it takes {accepted}.")
-            return {k: checks[k](k, v) if k in checks else v for k, v in opts.items()}
+            missing = [name for name in required if name not in opts] if complete else []
+            if missing:
+                raise ValueError(f"{fn.__name__}() needs the option(s) {missing}; got {sorted(opts)}.")
+            checked = {k: checks[k](k, v) if k in checks else v for k, v in opts.items()}
+            if together is not None:
+                together(checked)
+            return checked
 
         call: Callable[..., _R] = fn  # called with the checked options
 

@@ -343,6 +343,9 @@ class RouterZLoss(_PenaltyRegularizer):
 
     penalty = staticmethod(penalties.router_z_loss)
 
+    def __init__(self, factor: float) -> None:
+        super().__init__(factor)
+
     def value(self, x: TensorLike) -> Tensor:
         return _times_rows(super().value(x), x)
 

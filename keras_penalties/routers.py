@@ -10,6 +10,7 @@ model's outputs, gradients and losses are unchanged and no keras-hub code is
 patched.
 """
 
+import numbers
 import threading
 import warnings
 from typing import Any, Sequence
@@ -31,24 +32,29 @@ class RouterRecorder(keras.regularizers.Regularizer):
     """What `RouterLogits` sets a router's `activity_regularizer` to: it
     returns `regularizer(output)` (0 for None) and, once armed by a
     `RouterLogits`, keeps `output`, one per thread (`tf.distribute` runs each
-    replica's step in a thread of its own). Saved as the regularizer it
-    wraps; a loaded one records nothing until a `RouterLogits` arms it."""
+    replica's step in a thread of its own). Its config holds the
+    regularizer it wraps; a model that saves it (a plain Keras model whose
+    routers were listed: keras-hub's blocks rebuild theirs from their own
+    arguments) loads after `import keras_penalties`, as every class of the
+    package does, and a loaded one records nothing until a `RouterLogits`
+    arms it."""
 
     def __init__(self, regularizer: Any = None) -> None:
         self.regularizer = regularizer
         self.armed = False
-        self._latest: dict[int, Any] = {}
+        # One slot a thread, gone with its thread.
+        self._latest = threading.local()
 
     def __call__(self, x: Any) -> Any:
         if self.armed:
-            self._latest[threading.get_ident()] = x
+            self._latest.output = x
         if self.regularizer is None:
             return ops.zeros((), dtype="float32")
         return self.regularizer(x)
 
     def latest(self) -> Any:
         """This thread's latest output, or None."""
-        return self._latest.get(threading.get_ident())
+        return getattr(self._latest, "output", None)
 
     def get_config(self) -> dict[str, Any]:
         wrapped = None if self.regularizer is None else keras.regularizers.serialize(self.regularizer)
@@ -196,7 +202,7 @@ def _warn_if_coefficient(model):
     for layer in layers:
         for name in COEFFICIENTS:
             value = getattr(layer, name, None)
-            if isinstance(value, (int, float)) and value:
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and value:
                 warnings.warn(
                     f"RouterLogits: {layer.name!r} has `{name}={value}`, its own load-balancing loss: with a "
                     f"penalty on these router logits both losses count. Build the model with `{name}=0.0`.",

@@ -141,3 +141,18 @@ def test_the_package_imports_form_no_circle():
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_over_500_lines(path):
     assert len(path.read_text().splitlines()) <= 500, f"{path.name}: split it (one job per module)"
+
+
+def test_ops_exports_only_what_it_defines():
+    # Not typing's `get_args` or a type alias: its own functions, classes and submodules.
+    import types
+
+    from keras_penalties import ops
+
+    public = {name for name in vars(ops) if not name.startswith("_")}
+    own = {
+        name
+        for name in public
+        if isinstance(getattr(ops, name), types.ModuleType) and getattr(ops, name).__name__.startswith(ops.__name__)
+    }
+    assert public - own - {"PENALTIES", "TENSOR_OPS"} == set(ops.__all__)

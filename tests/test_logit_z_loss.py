@@ -164,8 +164,46 @@ def test_extreme_logits_give_finite_values_and_gradients():
 
 
 def test_z_loss_is_a_term_option():
-    term = kp.Term("cross_entropy", 1.0, options={"z_loss": 1e-4, "from_logits": True})
-    assert term.options["z_loss"] == 1e-4
+    term = kp.Term("cross_entropy", 1.0, inputs=("labels", "logits"), options={"z_loss": LAMBDA})
+    objective = kp.CompositeObjective({"ce": term})
+    logits = _logits().astype("float32")
+    _, values = objective.compute({"labels": LABELS, "logits": logits})
+    lse = special.logsumexp(_logits(), -1)
+    valid = LABELS >= 0
+    expected = np.mean((lse - _pick(_logits(), np.where(valid, LABELS, 0)) + LAMBDA * lse**2)[valid])
+    np.testing.assert_allclose(to_numpy(values["ce"]), expected, rtol=1e-5)
+    with pytest.raises(ValueError, match="`z_loss` > 0 needs logits"):
+        kp.Term("cross_entropy", options={"z_loss": 1e-4, "from_logits": False})
+
+
+def test_the_lse_gradient_joins_the_entropys_in_one_pass():
+    # torch's chunk kernel forms both in its one backward pass; the others autograd.
+    logits = _logits().astype("float32")
+
+    def loss(x):
+        logprobs, entropy, lse = P.token_logprobs(SAFE, x, chunk_size=3, return_entropy=True, return_logsumexp=True)
+        return ops.sum(logprobs) + 0.5 * ops.sum(entropy) + 0.25 * ops.sum(lse)
+
+    z = _logits()
+    lse = special.logsumexp(z, -1, keepdims=True)
+    p, logp = np.exp(z - lse), z - lse
+    entropy = -(p * logp).sum(-1, keepdims=True)
+    expected = np.eye(V)[SAFE] - p - 0.5 * p * (logp + entropy) + 0.25 * p
+    (got,) = grads(loss, logits)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_lse_reads_the_label_so_a_banned_class_leaves_it_finite():
+    # Class 0's logit -inf at every row (a banned token), the labels elsewhere.
+    logits = _logits().astype("float32")
+    logits[..., 0] = -np.inf
+    labels = np.where(SAFE == 0, 1, SAFE)
+    z = _logits()[..., 1:]
+    _, lse = P.token_logprobs(labels, logits, chunk_size=3, return_logsumexp=True)
+    np.testing.assert_allclose(to_numpy(lse), special.logsumexp(z, -1), rtol=1e-5)
+    (g,) = grads(lambda x: ops.sum(P.token_logprobs(labels, x, chunk_size=3, return_logsumexp=True)[1]), logits)
+    np.testing.assert_allclose(g[..., 1:], special.softmax(z, -1), rtol=1e-4, atol=1e-6)
+    assert np.all(g[..., 0] == 0.0)
 
 
 @pytest.mark.parametrize(

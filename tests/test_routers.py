@@ -81,7 +81,7 @@ def test_per_layer_value_is_keras_hubs_sum_over_its_layers(masked):
 
 
 def test_one_layer_is_a_list_of_one_and_numpy_lists_are_one_tensor():
-    one = to_numpy(P.router_load_balancing(LOGITS[0], top_k=K))
+    one = to_numpy(P.router_load_balancing(LOGITS[0], top_k=np.int64(K)))
     np.testing.assert_allclose(one, to_numpy(P.router_load_balancing([LOGITS[0]], top_k=K)), rtol=1e-6)
     np.testing.assert_allclose(one, to_numpy(P.router_load_balancing(LOGITS[0].tolist(), top_k=K)), rtol=1e-6)
     np.testing.assert_allclose(one, O.keras_hub_load_balancing_loss(_rows(LOGITS[:1])[0], E, K), rtol=1e-5)
@@ -164,6 +164,10 @@ def test_symbolic_inputs_give_a_scalar():
 ERRORS = {
     "top_k zero": (lambda: P.router_load_balancing(LOGITS, top_k=0), r"`top_k` must be an int in \[1, E\]"),
     "top_k float": (lambda: P.router_load_balancing(LOGITS, top_k=2.0), r"`top_k`"),
+    "term without top_k": (
+        lambda: kp.Term("router_load_balancing", inputs=("z",)),
+        r"needs the option\(s\) \['top_k'\]",
+    ),
     "top_k > E": (lambda: P.router_load_balancing(LOGITS, top_k=E + 1), r"`top_k` must be an int in \[1, E\] = "),
     "pool": (lambda: P.router_z_loss(LOGITS, pool="mean"), r"`pool` must be one of"),
     "rank": (lambda: P.router_z_loss(np.zeros((E,), "float32")), r"`router_logits` must be \[\.\.\., E\]"),

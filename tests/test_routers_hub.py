@@ -112,6 +112,8 @@ def test_the_recipe_per_layer_trains_as_keras_hubs_own_loss_on_unpadded_batches(
     ours = _compiled(RECIPES[name](make(0.0), pool="layer", z_loss=0.0))
     theirs = _compiled(causal_lm(backbone=make(0.01), preprocessor=None))
     theirs.set_weights(ours.get_weights())
+    # The routers in the backbone's order: layer 0's first.
+    assert [r.path.split("/")[0] for r in ours.routers.routers] == ["transformer_layer_0", "transformer_layer_1"]
     x = {"token_ids": IDS, "padding_mask": np.ones_like(PADDING)}
     got = ours.fit(x, IDS, batch_size=B, epochs=2, shuffle=False, verbose=0).history["loss"]
     expected = theirs.fit(x, IDS, batch_size=B, epochs=2, shuffle=False, verbose=0).history["loss"]

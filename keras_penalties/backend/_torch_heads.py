@@ -70,8 +70,8 @@ class _LabelLogprobs(torch.autograd.Function):
             columns.append(-torch.linalg.vecdot(p, logp)[:, None])
         if log_sum_sq:
             columns.append(torch.linalg.vecdot(p, p)[:, None].log_())
-        if logsumexp:  # lse = z − log p at any class: the first
-            columns.append(logits[:, :1] - logp[:, :1])
+        if logsumexp:  # lse = z − log p at the first label (finite where the label's logit is)
+            columns.append(logits.gather(-1, labels[:, :1]) - columns[0][:, :1])
         ctx.entropy, ctx.logsumexp = entropy, logsumexp
         # p, formed for the entropy or log Σp², is kept: the backward pass needs it too.
         ctx.save_for_backward(logp, labels, *([] if p is None else [p]), *([columns[1]] if entropy else []))

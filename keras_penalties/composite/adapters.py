@@ -172,7 +172,7 @@ class _OpPenalty(_Penalty):
     def __init__(self, fn, options):
         if fn.per_element:  # Keras' activity-regularizer scale: not the batch size's
             options.setdefault("reduction", "sum_over_batch_size")
-        options = fn.check_options(**options)
+        options = fn.check_options(complete=True, **options)
         inputs = {name: options[name] for name in fn.tensor_options if options.get(name) is not None}
         for name, key in inputs.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):

@@ -1,5 +1,5 @@
 """The parts a `keras_penalties.distillation.Distiller` is built from: a
-model's vocabulary projection read as a fused head (`Head`), student losses
+model's vocabulary projection read as a fused head (`ModelHead`), student losses
 as Keras `Loss` objects and their metric names, and the intermediate
 outputs of distillation losses that name layers (`FeatureExtractors`)."""
 
@@ -12,7 +12,7 @@ from keras_penalties import ops as penalties
 from keras_penalties.ops.heads import layer_head
 
 
-class Head:
+class ModelHead:
     """A model's vocabulary projection: the model that computes the hidden
     states it reads, and its kernel and bias, read when the logits are
     described (inside the training step, where JAX's stateless scope holds

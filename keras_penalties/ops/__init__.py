@@ -7,9 +7,9 @@ Options are keyword-only.
 """
 
 # Re-exported by name (`x as x`); `__all__` adds the penalty names from one list.
-from typing import get_args
+import typing as _typing
 
-from keras_penalties._types import PenaltyName
+from keras_penalties._types import PenaltyName as _PenaltyName
 from keras_penalties.ops.divergences import (
     consistency as consistency,
     entropy as entropy,
@@ -26,13 +26,13 @@ from keras_penalties.ops.magnitude import (
     l2 as l2,
     output_magnitude as output_magnitude,
 )
-from keras_penalties.ops.off_policy import (
-    clip_fraction as clip_fraction,
-    importance_weights as importance_weights,
-    off_policy_mask as off_policy_mask,
-)
+from keras_penalties.ops.off_policy import importance_weights as importance_weights, off_policy_mask as off_policy_mask
 from keras_penalties.ops.orthogonality import orthogonality as orthogonality
-from keras_penalties.ops.policy import kl_estimate as kl_estimate, policy_loss as policy_loss
+from keras_penalties.ops.policy import (
+    clip_fraction as clip_fraction,
+    kl_estimate as kl_estimate,
+    policy_loss as policy_loss,
+)
 from keras_penalties.ops.preference import (
     preference_loss as preference_loss,
     preference_reward as preference_reward,
@@ -44,7 +44,7 @@ from keras_penalties.ops.topk import topk_kl as topk_kl
 from keras_penalties.ops.unpaired import unpaired_preference_loss as unpaired_preference_loss
 
 # The functions a `Term` may name: each returns a scalar penalty.
-PENALTIES = get_args(PenaltyName)
+PENALTIES = _typing.get_args(_PenaltyName)
 # The others return tensors (logits described, per-token values, weights,
 # masks, fractions), called in the model, the training step or the data
 # pipeline.

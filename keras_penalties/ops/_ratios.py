@@ -5,6 +5,8 @@ the clamp before the exponential, and the checks of their options."""
 from keras import ops
 
 from keras_penalties import _validation as check
+from keras_penalties import backend
+from keras_penalties.ops import _dtypes as dtypes
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 
@@ -96,3 +98,26 @@ def check_advantages(advantages, logprobs):
         raise ValueError(
             f"`advantages` must be {sequences}per token {tuple(logprobs.shape)}; got {tuple(advantages.shape)}."
         )
+
+
+def ratio_clip(name, value):
+    """(ε_low, ε_high) with 0 ≤ ε_low < 1 and ε_high ≥ 0."""
+    low, high = pair(name, value)
+    if not (0.0 <= low < 1.0 and high >= 0.0):
+        raise ValueError(f"`{name}` must be (ε_low, ε_high) with 0 <= ε_low < 1 and ε_high >= 0; got {value!r}.")
+    return low, high
+
+
+def log_prob_pair(names, logprobs, other, mask):
+    """Two log-probability tensors (one shape) in their compute dtype, the
+    mask as bool (None stays None), the compute dtype."""
+    logprobs, other = backend.as_tensor(logprobs), backend.as_tensor(other)
+    check.check_same_shape(names, logprobs, other)
+    mask = reductions.sample_mask(mask, logprobs, None)
+    compute, _ = dtypes.dtype_pair([logprobs])
+    return dtypes.cast_to(logprobs, compute), ops.cast(other, compute), mask, compute
+
+
+def kept_or_all(mask, like):
+    """`mask`, or every position of `like` where it is None."""
+    return ops.ones(ops.shape(like), "bool") if mask is None else mask

@@ -115,6 +115,18 @@ def kl_divergence(
             (`reduction` "mean" or "sum"). Equal to the unchunked result to
             float32 rounding.
 
+    Returns:
+        A scalar in the inputs' float dtype (computed in float32 from half
+        precision), or the per-sample values with `reduction="none"`; 0
+        where no position is kept.
+
+    Raises:
+        ValueError: p and q of different shapes, an `axis` out of range,
+            an unknown `direction` or `reduction`, `temperature` ≤ 0, a
+            `mask` not of the per-sample shape, `chunk_size` < 1,
+            `ops.linear(...)` inputs without `from_logits=True` or with
+            `axis` not last.
+
     Example:
 
     >>> from keras_penalties import ops as P
@@ -194,6 +206,12 @@ def js_divergence(
     both ends (use `kl_divergence` there). Other arguments, `mask` and
     `chunk_size` included, as in `kl_divergence`.
 
+    Returns:
+        As `kl_divergence`'s.
+
+    Raises:
+        ValueError: as `kl_divergence`'s, and `beta` outside (0, 1).
+
     Example:
 
     >>> from keras_penalties import ops as P
@@ -239,6 +257,15 @@ def entropy(
         mask: None, or the per-sample positions that count (as in
             `kl_divergence`).
         chunk_size: None, or rows per chunk (as in `kl_divergence`).
+
+    Returns:
+        A scalar in the input's float dtype, or the per-position values
+        with `reduction="none"`; 0 where no position is kept.
+
+    Raises:
+        ValueError: an `axis` out of range, an unknown `reduction` (a
+            sequence reduction on values not of rank 2), `temperature` ≤
+            0, a `mask` not of the per-sample shape, `chunk_size` < 1.
 
     Example:
 
@@ -290,6 +317,14 @@ def consistency(
 
     With `from_logits=True` inputs are logits along `axis`: kl/js work from
     their log-softmax, mse/l1/cosine compare the softmax probabilities.
+
+    Returns:
+        A scalar in the inputs' float dtype, or the per-sample values with
+        `reduction="none"`.
+
+    Raises:
+        ValueError: a and b of different shapes, an unknown `metric` or
+            `reduction`, an `axis` out of range.
 
     Example:
 
@@ -345,6 +380,13 @@ def kl_sparsity(x: TensorLike, *, target: float = 0.05, axis: int = 0) -> Tensor
         x: activations, shape [batch, ...units].
         target: ρ in (0, 1), the desired mean activation.
         axis: the batch axis (an int).
+
+    Returns:
+        A scalar in x's float dtype; 0 for an empty batch.
+
+    Raises:
+        ValueError: `target` outside (0, 1), x of rank 0, an `axis` out of
+            range.
 
     Example:
 

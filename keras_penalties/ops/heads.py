@@ -159,6 +159,7 @@ def linear(
     reduction=check.TOKEN_REDUCTION,
     chunk_size=check.chunk_size,
     z_loss=check.non_negative,
+    together=lambda options: _z_loss_needs_logits(options.get("z_loss", 0.0), options.get("from_logits", True)),
 )
 def cross_entropy(
     labels: TensorLike,
@@ -227,10 +228,8 @@ def cross_entropy(
     >>> round(float(P.cross_entropy([0, 1], logits, mask=[1, 0])), 6)  # ln 2
     0.693147
     >>> round(float(P.cross_entropy([0], [[0.0, 0.0]], z_loss=0.1)), 6)  # ln 2 + 0.1·ln²2
-    0.741193
+    0.741192
     """
-    if z_loss and not from_logits:
-        raise ValueError("`z_loss` > 0 needs logits (`from_logits=True`): it is λ·logsumexp(logits)².")
     values = functools.partial(
         _cross_entropy_values,
         from_logits=from_logits,
@@ -396,7 +395,7 @@ def _logprob_columns(
     if fused is None:
         fused = _label_columns(logits, labels, temperature, entropy, log_sum_sq, several)
         if logsumexp:  # lse = z_label / T − log p(label), from the label's logit (a gather)
-            picked = ops.take_along_axis(scaled, labels[:, :1], axis=-1)
+            picked = ops.expand_dims(backend.pick_labels(scaled, labels[:, 0], -1), -1)
             fused = ops.concatenate([fused, picked - fused[:, :1]], axis=-1)
     if not top1:
         return fused
@@ -422,6 +421,11 @@ def _label_columns(
         p = ops.exp(logp)
         columns.append(ops.stop_gradient(ops.log(ops.sum(p * p, axis=-1, keepdims=True))))
     return ops.concatenate(columns, axis=-1) if len(columns) > 1 else columns[0]
+
+
+def _z_loss_needs_logits(z_loss: float, from_logits: bool) -> None:
+    if z_loss and not from_logits:
+        raise ValueError("`z_loss` > 0 needs logits (`from_logits=True`): it is λ·logsumexp(logits)².")
 
 
 def _cross_entropy_values(

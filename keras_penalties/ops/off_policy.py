@@ -2,8 +2,7 @@
 `generate` at another precision, a remote trainer) is not the policy being
 trained, its log-probabilities differ and each token is reweighted or
 dropped. `importance_weights` and `off_policy_mask` give the weights and
-the kept tokens (constants, for `policy_loss(..., weights=, mask=)`);
-`clip_fraction` the fractions of tokens a PPO clip acts on, for the logs.
+the kept tokens (constants, for `policy_loss(..., weights=, mask=)`).
 
 Notation per sampled token as `policy`: r = π/π_old; δ = logprobs −
 sampler_logprobs on kept tokens (0 where the mask M drops one). Inputs are
@@ -18,29 +17,12 @@ from keras import ops
 
 from keras_penalties import _validation as check
 from keras_penalties import backend
-from keras_penalties._types import Bounds, ImportanceLevel, ImportanceMode, PolicyLevel, Tensor, TensorLike
-from keras_penalties.ops import _dtypes as dtypes
+from keras_penalties._types import Bounds, ImportanceLevel, ImportanceMode, Tensor, TensorLike
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _ratios as ratios
-from keras_penalties.ops import _reductions as reductions
-from keras_penalties.ops.policy import POLICY_LEVELS, ratio_clip
 
 IMPORTANCE_LEVELS = get_args(ImportanceLevel)
 IMPORTANCE_MODES = get_args(ImportanceMode)
-
-
-def _inputs(names, logprobs, other, mask):
-    """The two log-probability tensors (same shape) in their compute dtype,
-    the mask as bool (None stays None), the compute dtype."""
-    logprobs, other = backend.as_tensor(logprobs), backend.as_tensor(other)
-    check.check_same_shape(names, logprobs, other)
-    mask = reductions.sample_mask(mask, logprobs, None)
-    compute, _ = dtypes.dtype_pair([logprobs])
-    return dtypes.cast_to(logprobs, compute), ops.cast(other, compute), mask, compute
-
-
-def _kept(mask, like):
-    return ops.ones(ops.shape(like), "bool") if mask is None else mask
 
 
 @check.options(
@@ -78,7 +60,11 @@ def importance_weights(
         sampler_logprobs: log q of the same tokens under the sampler, the
             same shape.
         level: `"token"`, `"sequence"` or `"geometric"` (the last two on
-            [batch, tokens]).
+            [batch, tokens]). `"sequence"` here is the exp of the *sum* over
+            the sequence's kept tokens of log π − log q (the sequence's
+            probability ratio, TRL's `sequence_*` modes), `"geometric"` the
+            exp of their *mean*; `policy_loss(level="sequence")` is that
+            mean (GSPO's length-normalised ratio), not this sum.
         mode: `"truncate"` or `"mask"`.
         bounds: (low, high), 0 ≤ low < high, either None for no bound on
             that side; `(None, None)` leaves ρ as it is.
@@ -102,7 +88,9 @@ def importance_weights(
     >>> ops.convert_to_numpy(weights).round(4).tolist()  # ρ = (3, 1), truncated at 2
     [[2.0, 1.0]]
     """
-    logprobs, sampler, mask, _ = _inputs(("logprobs", "sampler_logprobs"), logprobs, sampler_logprobs, mask)
+    logprobs, sampler, mask, _ = ratios.log_prob_pair(
+        ("logprobs", "sampler_logprobs"), logprobs, sampler_logprobs, mask
+    )
     ratios.check_level_rank(level, len(logprobs.shape))
     delta = ops.stop_gradient(ratios.log_ratio(logprobs, sampler, mask))
     if level == "sequence":
@@ -111,7 +99,7 @@ def importance_weights(
         delta = ops.broadcast_to(ratios.sequence_mean(delta, mask), ops.shape(delta))
     rho = ratios.exp_clamped(delta)
     low, high = bounds
-    kept = _kept(mask, rho)
+    kept = ratios.kept_or_all(mask, rho)
     if mode == "truncate":
         weights = num.clamp(rho, low, high)
     else:
@@ -163,68 +151,11 @@ def off_policy_mask(
     >>> ops.convert_to_numpy(kept).tolist()  # mean drifts 2 and 1: the first sequence goes
     [[False, False], [True, True]]
     """
-    logprobs, old, mask, compute = _inputs(("logprobs", "old_logprobs"), logprobs, old_logprobs, mask)
+    logprobs, old, mask, compute = ratios.log_prob_pair(("logprobs", "old_logprobs"), logprobs, old_logprobs, mask)
     ratios.check_level_rank("sequence", len(logprobs.shape))
     advantages = backend.as_tensor(advantages)
     ratios.check_advantages(advantages, logprobs)
     drift = ratios.sequence_mean(-ratios.log_ratio(logprobs, old, mask), mask)
     a = ratios.broadcast_advantages(advantages, logprobs, compute)
     dropped = ops.logical_and(a < 0, drift > threshold)
-    return ops.logical_and(_kept(mask, logprobs), ops.logical_not(dropped))
-
-
-@check.options(tensors=("mask",), clip=ratio_clip, level=check.choice(*POLICY_LEVELS))
-def clip_fraction(
-    logprobs: TensorLike,
-    old_logprobs: TensorLike,
-    advantages: TensorLike,
-    *,
-    clip: tuple[float, float] = (0.2, 0.2),
-    level: PolicyLevel = "token",
-    mask: TensorLike | None = None,
-) -> dict[str, Tensor]:
-    """The fractions of kept tokens a PPO clip acts on, for the logs (TRL's
-    `clip_ratio/low_mean`, `…/high_mean`, `…/region_mean`).
-
-    With r the ratio `policy_loss` reads at `level`: `"low"` the tokens with
-    r < 1 − ε_low where A < 0, `"high"` those with r > 1 + ε_high where
-    A > 0, `"region"` either; each over the kept tokens (0 when none is).
-
-    Args:
-        logprobs, old_logprobs: log π and log π_old of the sampled tokens.
-        advantages: per sequence ([batch]) or per token.
-        clip: (ε_low, ε_high), as `policy_loss`'s.
-        level: `"token"`, `"sequence"` or `"sequence_token"`.
-        mask: None, or the tokens that count.
-
-    Returns:
-        A dict `{"low", "high", "region"}` of float32 scalars, no gradient.
-
-    Raises:
-        ValueError: `clip` out of range, an unknown `level`, shapes that
-            differ, `advantages` neither [batch] nor logprobs' shape.
-
-    Example:
-
-    >>> import math
-    >>> from keras_penalties import ops as P
-    >>> fractions = P.clip_fraction([[math.log(1.5), 0.0]], [[0.0, 0.0]], [1.0])  # r = (1.5, 1)
-    >>> {k: round(float(v), 2) for k, v in fractions.items()}
-    {'low': 0.0, 'high': 0.5, 'region': 0.5}
-    """
-    logprobs, old, mask, compute = _inputs(("logprobs", "old_logprobs"), logprobs, old_logprobs, mask)
-    ratios.check_level_rank(level, len(logprobs.shape))
-    advantages = backend.as_tensor(advantages)
-    ratios.check_advantages(advantages, logprobs)
-    log_ratio = ratios.policy_log_ratio(ratios.log_ratio(logprobs, old, mask), mask, level)
-    ratio = ops.stop_gradient(ratios.exp_clamped(log_ratio))
-    a = ratios.broadcast_advantages(advantages, logprobs, compute)
-    low = ops.logical_and(ratio < 1.0 - clip[0], a < 0)
-    high = ops.logical_and(ratio > 1.0 + clip[1], a > 0)
-    kept = ops.cast(_kept(mask, logprobs), "float32")
-    count = ops.maximum(ops.sum(kept), 1.0)
-
-    def fraction(hit):
-        return ops.sum(ops.cast(hit, "float32") * kept) / count
-
-    return {"low": fraction(low), "high": fraction(high), "region": fraction(ops.logical_or(low, high))}
+    return ops.logical_and(ratios.kept_or_all(mask, logprobs), ops.logical_not(dropped))

@@ -1,5 +1,7 @@
 """Fine-tuning against a reference from sampled tokens' log-probabilities:
-KL estimators and policy-gradient losses (PPO, GRPO, DAPO, CISPO, GSPO).
+KL estimators and policy-gradient losses (PPO, GRPO, DAPO, CISPO, GSPO),
+and `clip_fraction`, the fractions of tokens a PPO clip acts on, for the
+logs (as `preference_reward` sits beside `preference_loss`).
 
 Notation per sampled token: d = logprobs − ref_logprobs,
 r = exp(logprobs − old_logprobs), sg = stop-gradient. Inputs are per-token
@@ -36,14 +38,6 @@ def _estimate_clip(name, value):
     low, high = ratios.pair(name, value)
     if not low < high:
         raise ValueError(f"`{name}` must be (low, high) with low < high; got {value!r}.")
-    return low, high
-
-
-def ratio_clip(name, value):
-    """(ε_low, ε_high) with 0 ≤ ε_low < 1 and ε_high ≥ 0."""
-    low, high = ratios.pair(name, value)
-    if not (0.0 <= low < 1.0 and high >= 0.0):
-        raise ValueError(f"`{name}` must be (ε_low, ε_high) with 0 <= ε_low < 1 and ε_high >= 0; got {value!r}.")
     return low, high
 
 
@@ -245,7 +239,12 @@ def policy_loss(
             GMPO's in TRL and verl), `"constant"` (Dr. GRPO's), …
         level: `"token"`, `"sequence"` or `"sequence_token"` (a ratio's
             kind only: not `"reinforce"`, `"gmpo"` or `"vespo"`), the last
-            two on [batch, tokens].
+            two on [batch, tokens]. `"sequence"` here is GSPO's ratio, the
+            exp of the *mean* over the sequence's kept tokens of log π −
+            log π_old (a length-normalised geometric mean); in
+            `importance_weights`, `level="sequence"` is the exp of their
+            *sum* (the sequence's probability ratio), and `"geometric"` the
+            mean.
         weights: None, or per-token ([batch, tokens]) or per-sequence
             ([batch]) constants multiplied into the loss before the
             reduction: importance weights (`importance_weights`), entropy or
@@ -328,3 +327,60 @@ def _check_max_length(max_length, logprobs, reduction):
             f"`max_length` ({max_length}) is below the tokens axis's length ({tokens}): it must be at least "
             "the longest completion (Dr. GRPO's L_max)."
         )
+
+
+@check.options(tensors=("mask",), clip=ratios.ratio_clip, level=check.choice(*POLICY_LEVELS))
+def clip_fraction(
+    logprobs: TensorLike,
+    old_logprobs: TensorLike,
+    advantages: TensorLike,
+    *,
+    clip: tuple[float, float] = (0.2, 0.2),
+    level: PolicyLevel = "token",
+    mask: TensorLike | None = None,
+) -> dict[str, Tensor]:
+    """The fractions of kept tokens a PPO clip acts on, for the logs (TRL's
+    `clip_ratio/low_mean`, `…/high_mean`, `…/region_mean`).
+
+    With r the ratio `policy_loss` reads at `level`: `"low"` the tokens with
+    r < 1 − ε_low where A < 0, `"high"` those with r > 1 + ε_high where
+    A > 0, `"region"` either; each over the kept tokens (0 when none is).
+
+    Args:
+        logprobs, old_logprobs: log π and log π_old of the sampled tokens.
+        advantages: per sequence ([batch]) or per token.
+        clip: (ε_low, ε_high), as `policy_loss`'s.
+        level: `"token"`, `"sequence"` or `"sequence_token"`.
+        mask: None, or the tokens that count.
+
+    Returns:
+        A dict `{"low", "high", "region"}` of float32 scalars, no gradient.
+
+    Raises:
+        ValueError: `clip` out of range, an unknown `level`, shapes that
+            differ, `advantages` neither [batch] nor logprobs' shape.
+
+    Example:
+
+    >>> import math
+    >>> from keras_penalties import ops as P
+    >>> fractions = P.clip_fraction([[math.log(1.5), 0.0]], [[0.0, 0.0]], [1.0])  # r = (1.5, 1)
+    >>> {k: round(float(v), 2) for k, v in fractions.items()}
+    {'low': 0.0, 'high': 0.5, 'region': 0.5}
+    """
+    logprobs, old, mask, compute = ratios.log_prob_pair(("logprobs", "old_logprobs"), logprobs, old_logprobs, mask)
+    ratios.check_level_rank(level, len(logprobs.shape))
+    advantages = backend.as_tensor(advantages)
+    ratios.check_advantages(advantages, logprobs)
+    log_ratio = ratios.policy_log_ratio(ratios.log_ratio(logprobs, old, mask), mask, level)
+    ratio = ops.stop_gradient(ratios.exp_clamped(log_ratio))
+    a = ratios.broadcast_advantages(advantages, logprobs, compute)
+    low = ops.logical_and(ratio < 1.0 - clip[0], a < 0)
+    high = ops.logical_and(ratio > 1.0 + clip[1], a > 0)
+    kept = ops.cast(ratios.kept_or_all(mask, logprobs), "float32")
+    count = ops.maximum(ops.sum(kept), 1.0)
+
+    def fraction(hit):
+        return ops.sum(ops.cast(hit, "float32") * kept) / count
+
+    return {"low": fraction(low), "high": fraction(high), "region": fraction(ops.logical_or(low, high))}

@@ -148,15 +148,10 @@ def _wpo_weights(sides, masks, log_sum_sq, compute):
 def _over_pairs(values, valid, reduction):
     """Per-pair values reduced over the pairs that keep a token on both
     sides (0 for the others, which do not count in `"mean"`)."""
-    if valid is not None:
-        values = ops.where(valid, values, ops.zeros_like(values))
-    if reduction == "none":
-        return values
-    total = ops.sum(values)
-    if reduction == "sum":
-        return total
-    count = ops.cast(ops.shape(values)[0], total.dtype) if valid is None else ops.sum(ops.cast(valid, total.dtype))
-    return total / ops.cast(reductions.kept_divisor(count), total.dtype)
+    # Every pair kept where nothing is masked: a mean is then still the
+    # global batch's within a composite (`reductions.kept_divisor`).
+    valid = ops.ones_like(values, dtype="bool") if valid is None else valid
+    return reductions.masked_reduce(values, valid, reduction)
 
 
 @check.options(

@@ -12,6 +12,7 @@ probability sums and |S| are summed over the replicas before f and P are
 formed: the value and gradient are one device's on the global batch.
 """
 
+import numbers
 from typing import Literal, Sequence, Union
 
 from keras import ops
@@ -28,9 +29,9 @@ POOL = check.choice("all", "layer")
 
 
 def _top_k(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"`{name}` must be an int in [1, E], the experts each token is routed to; got {value!r}.")
-    return value
+    return int(value)
 
 
 @check.options(tensors=("mask",), top_k=_top_k, pool=POOL)
@@ -58,7 +59,8 @@ def router_load_balancing(
     Args:
         router_logits: one MoE layer's logits [..., E] (every axis but the
             last indexes a routed token; E known statically), or a list or
-            tuple of L such tensors of one shape, one per layer.
+            tuple of L such tensors of one shape, one per layer (a list of
+            nested Python numbers is one tensor: give layers as arrays).
         top_k: k, the experts each token is routed to, 1 ≤ k ≤ E.
             Required.
         mask: None (every token kept), or a tensor with as many elements as
@@ -198,7 +200,7 @@ def _is_nested_numbers(value):
     first = value[0] if len(value) else None
     while isinstance(first, (list, tuple)):
         first = first[0] if len(first) else None
-    return isinstance(first, (int, float)) and not isinstance(first, bool)
+    return isinstance(first, numbers.Number) and not isinstance(first, bool)
 
 
 def _masked_logits(layers, mask):

@@ -14,7 +14,7 @@ from keras import ops
 
 from keras_penalties import ops as penalties
 from keras_penalties._saving import with_hint, without_hint
-from keras_penalties.distillation._parts import Head
+from keras_penalties.distillation._parts import ModelHead
 
 
 def is_keras_hub_lm(model: Any) -> bool:
@@ -41,7 +41,7 @@ class LanguageModel:
                 f"`head`: {model.name} is not a keras-hub causal LM, so its vocabulary projection must be named: "
                 "pass head= the Dense (or reversible embedding) layer, or its name, that produces its logits."
             )
-        found = Head(model, head, "head")
+        found = ModelHead(model, head, "head")
         self.layer, self.hidden_model, self.keras_hub = found.layer, found.hidden_model, False
         names = [getattr(t, "name", "").split(":")[0] for t in keras.tree.flatten(model.inputs)]
         self.input_keys = names if {"token_ids", "padding_mask"} <= set(names) else None
