@@ -1,4 +1,7 @@
-"""PyTorch: `torch.autograd.grad`; Keras has no torch distribution."""
+"""PyTorch: `torch.autograd.grad`, eager torch's own calls where a Keras
+call costs Python time, the chunk kernels (`_torch_heads.py`) and the
+processes of `torch.distributed` as replicas under DDP
+(`_torch_processes.py`; Keras itself has no torch distribution)."""
 
 import types
 
