@@ -61,15 +61,9 @@ class _PenaltyRegularizer(keras.regularizers.Regularizer):
         return type(self).penalty(x, **self._options)
 
     def __call__(self, x: TensorLike) -> Tensor:
-        x = ops.convert_to_tensor(x)
-        if backend.is_half(x.dtype):
-            # Mixed precision: a loss contribution is float32, and the sum
-            # must not overflow (or round) in half precision before the
-            # factor scales it down (L1(1e-4) of 131072 float16 ones is 13.1).
-            x = ops.cast(x, "float32")
         # The factor multiplies as a Python number, in value's dtype (no
         # cast op to make it a tensor first, at every step on eager torch).
-        return self.factor * self.value(x)
+        return self.factor * self.value(_as_input(x))
 
     def get_config(self) -> dict[str, Any]:
         return with_hint({"factor": self.factor, **self._options})
@@ -249,8 +243,7 @@ class KLSparsity(_PenaltyRegularizer):
         super().__init__(factor, target=target)
 
     def value(self, x: TensorLike) -> Tensor:
-        value = super().value(x)
-        return value * ops.cast(ops.shape(x)[0], value.dtype)
+        return _times_rows(super().value(x), x)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -315,11 +308,10 @@ class RouterLoadBalancing(_PenaltyRegularizer):
         return _times_rows(super().value(x), x)
 
     def __call__(self, x: TensorLike) -> Tensor:
-        value = super().__call__(x)
+        x = _as_input(x)
+        value = self.factor * self.value(x)
         if not self.z_loss:
             return value
-        x = ops.convert_to_tensor(x)
-        x = ops.cast(x, "float32") if backend.is_half(x.dtype) else x
         return value + self.z_loss * _times_rows(penalties.router_z_loss(x), x)
 
     def get_config(self) -> dict[str, Any]:
@@ -348,6 +340,15 @@ class RouterZLoss(_PenaltyRegularizer):
 
     def value(self, x: TensorLike) -> Tensor:
         return _times_rows(super().value(x), x)
+
+
+def _as_input(x: TensorLike) -> Tensor:
+    """x as a tensor a penalty reads: half precision as float32 (mixed
+    precision: a loss contribution is float32, and the sum must not
+    overflow, or round, in half precision before the factor scales it down:
+    L1(1e-4) of 131072 float16 ones is 13.1)."""
+    x = ops.convert_to_tensor(x)
+    return ops.cast(x, "float32") if backend.is_half(x.dtype) else x
 
 
 def _times_rows(value: Tensor, x: TensorLike) -> Tensor:

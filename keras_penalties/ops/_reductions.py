@@ -59,6 +59,16 @@ def kept_divisor(count, floor=1.0):
     return _replicas.global_divisor(count, floor, keep_losses_of=scope[0])
 
 
+def whole_batch_divisor(total, floor=1.0):
+    """`kept_divisor` of a count that `whole_batch_sums` has already summed
+    over the replicas (`total`), without summing it again: max(total,
+    floor) over the replicas where masked means are the global batch's,
+    max(total, floor) elsewhere."""
+    replicas = _replicas.in_sync() if global_means_active() else 1
+    total = ops.maximum(ops.cast(total, "float32"), floor)
+    return total if replicas == 1 else total / float(replicas)
+
+
 def whole_batch_sums(tensors):
     """Each tensor summed over the replicas where masked means are the
     global batch's (`global_means_active`; no gradient), so that every

@@ -114,7 +114,7 @@ def router_load_balancing(
         counts, prob_sums, size = ops.sum(counts, axis=0), ops.sum(prob_sums, axis=0), size * n_layers
     global_counts, global_size = reductions.whole_batch_sums([counts, size])
     fractions = ops.stop_gradient(global_counts / (top_k * ops.maximum(global_size, 1.0)))
-    value = float(experts) * ops.sum(fractions * prob_sums) / reductions.kept_divisor(size)
+    value = float(experts) * ops.sum(fractions * prob_sums) / reductions.whole_batch_divisor(global_size)
     return dtypes.from_compute(value, dtype)
 
 
@@ -211,12 +211,7 @@ def _masked_logits(layers, mask):
     if mask is None:
         return z, None
     mask = ops.convert_to_tensor(mask)
-    tokens = 1
-    for d in layers[0].shape[:-1]:
-        tokens = None if d is None or tokens is None else tokens * d
-    elements = 1
-    for d in mask.shape:
-        elements = None if d is None or elements is None else elements * d
+    tokens, elements = _static_size(layers[0].shape[:-1]), _static_size(mask.shape)
     if tokens is not None and elements is not None and tokens != elements:
         raise ValueError(
             f"`mask` must have one element per routed token of a layer ({tokens}, from logits "
@@ -225,3 +220,13 @@ def _masked_logits(layers, mask):
     keep = ops.reshape(ops.cast(mask, "bool"), (-1,))
     z = ops.where(ops.reshape(keep, (1, -1, 1)), z, ops.zeros_like(z))
     return z, ops.cast(keep, "float32")
+
+
+def _static_size(shape):
+    """The number of elements of `shape`, or None where a size is known only at run time."""
+    size = 1
+    for d in shape:
+        if d is None:
+            return None
+        size *= d
+    return size
