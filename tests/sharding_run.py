@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from keras_penalties import ops as P  # noqa: E402
 
 # 128 rows: 8 chunks, 4 per device. HIDDEN > CHUNK: a tied kernel's gradient is then
-# summed in blocks of its rows on one device (backend.jax._add_kernel_grad).
+# summed in blocks of its rows on one device (backend/jax/blocks.py's add_kernel_grad).
 BATCH, TOKENS, HIDDEN, VOCAB, CHUNK = 8, 16, 24, 64, 16
 RNG = np.random.default_rng(0)
 MASK = (RNG.uniform(size=(BATCH, TOKENS)) < np.linspace(0.3, 0.9, BATCH)[:, None]).astype("float32")

@@ -1,7 +1,9 @@
 """The package's rooms (README, Development): private Keras and TF APIs only
 in `_keras_internals.py`; backend-specific code only in `backend/`, whose
-modules do not import each other. Pure source checks (the files' syntax
-trees), so they run, and mean the same, on every backend."""
+backend packages hold a module for each concern of its contract, define
+each contract name in its concern's module, do not import each other, and
+keep their functions short. Pure source checks (the files' syntax trees),
+so they run, and mean the same, on every backend."""
 
 import ast
 import pathlib
@@ -56,12 +58,77 @@ def test_private_keras_apis_only_in_keras_internals(path):
     assert _private_uses(path) == [], f"{path.name}: move these behind a function in _keras_internals.py"
 
 
-def test_backend_modules_do_not_import_each_other():
-    modules = {"jax", "tensorflow", "torch"}
-    for name in modules:
-        tree = ast.parse((PACKAGE / "backend" / f"{name}.py").read_text())
+BACKENDS = ("jax", "tensorflow", "torch")
+BACKEND_DIR = PACKAGE / "backend"
+
+
+def _contract():
+    """backend/__init__.py's `CONTRACT`: {concern: names}, read from its source."""
+    for node in ast.parse((BACKEND_DIR / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CONTRACT" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("backend/__init__.py defines no CONTRACT")
+
+
+def _bound_names(source):
+    """The names a module's top level binds: defined, assigned or imported."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_the_name_finder_sees_definitions_assignments_and_imports():
+    source = "import a.b\nfrom c import d as e\nF = 1\nG: int = 2\ndef h(): i = 3\nclass J: pass\n"
+    assert _bound_names(source) == {"a", "e", "F", "G", "h", "J"}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_each_backend_has_every_concerns_module(name):
+    modules = {p.stem for p in (BACKEND_DIR / name).glob("*.py")}
+    assert set(_contract()) - modules == set(), f"backend/{name}/ lacks these concerns' modules"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_contract_names_are_defined_in_their_concerns_module(name):
+    # A backend-only module (blocks.py, tracing.py) defines none.
+    contract = _contract()
+    everyone = {n for names in contract.values() for n in names}
+    for path in sorted((BACKEND_DIR / name).glob("*.py")):
+        stray = _bound_names(path.read_text()) & (everyone - set(contract.get(path.stem, ())))
+        assert not stray, f"backend/{name}/{path.name} defines {sorted(stray)}, which belong to other concerns"
+
+
+def test_common_defaults_only_contract_names_and_shared_helpers():
+    # What a backend module imports from common: the defaults and three helpers.
+    everyone = {n for names in _contract().values() for n in names}
+    public = {n for n in _bound_names((BACKEND_DIR / "common.py").read_text()) if not n.startswith("_")}
+    assert public - everyone == {
+        "flag_set",
+        "norm",
+        "TINY",
+        "concurrent",
+        "contextlib",
+        "threading",
+        "keras",
+        "np",
+        "ops",
+    }
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backend_packages_do_not_import_each_other(name):
+    others = set(BACKENDS) - {name}
+    for path in sorted((BACKEND_DIR / name).glob("*.py")):
+        tree = ast.parse(path.read_text())
         imported = {
-            node.module.rsplit(".", 1)[-1]
+            node.module.split(".")[2]
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_penalties.backend.")
         }
@@ -71,7 +138,17 @@ def test_backend_modules_do_not_import_each_other():
             if isinstance(node, ast.ImportFrom) and node.module == "keras_penalties.backend"
             for alias in node.names
         }
-        assert not imported & (modules - {name}), f"backend/{name}.py imports {imported & modules}"
+        assert not imported & others, f"backend/{name}/{path.name} imports {imported & others}"
+
+
+def test_no_backend_function_passes_80_lines():
+    long = [
+        f"{path.relative_to(BACKEND_DIR)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(BACKEND_DIR.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert not long, long
 
 
 def _module_name(path):
@@ -156,3 +233,4 @@ def test_ops_exports_only_what_it_defines():
         if isinstance(getattr(ops, name), types.ModuleType) and getattr(ops, name).__name__.startswith(ops.__name__)
     }
     assert public - own - {"PENALTIES", "TENSOR_OPS"} == set(ops.__all__)
+

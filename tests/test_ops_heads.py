@@ -238,9 +238,9 @@ def test_the_kernel_gradient_in_several_blocks(elements, graph, monkeypatch):
     # inside the chunk loop; eagerly they are not.
     import tensorflow as tf
 
-    from keras_penalties.backend import _tensorflow_blocks
+    from keras_penalties.backend.tensorflow import blocks as tf_blocks
 
-    monkeypatch.setattr(_tensorflow_blocks, "_KERNEL_BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(tf_blocks, "_KERNEL_BLOCK_ELEMENTS", elements)
 
     def fused_grads(*x):
         return backend.gradients(lambda *y: _loss("js_beta_t", True, 4, MASK, *y), list(x))
@@ -270,15 +270,14 @@ def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, m
     # too; a frozen teacher's head gives the blocks one gradient fewer.
     import tensorflow as tf
 
-    from keras_penalties.backend import _tensorflow_blocks
-
-    from keras_penalties.backend import _tensorflow_chunks
+    from keras_penalties.backend.tensorflow import blocks as tf_blocks
+    from keras_penalties.backend.tensorflow import chunks as tf_chunks
 
     # The budget TF's chunk loop reads for its blocks.
-    monkeypatch.setattr(_tensorflow_chunks, "CHUNK_ELEMENTS", elements)
+    monkeypatch.setattr(tf_chunks, "CHUNK_ELEMENTS", elements)
     blocks = []
-    block_rows = _tensorflow_blocks._block_rows
-    monkeypatch.setattr(_tensorflow_blocks, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
+    block_rows = tf_blocks._block_rows
+    monkeypatch.setattr(tf_blocks, "_block_rows", lambda *a: blocks.append(block_rows(*a)) or blocks[-1])
 
     def loss(fused, chunk_size, student_hidden, kernel, bias, teacher_hidden, embedding):
         if teacher == "frozen":
@@ -303,12 +302,12 @@ def test_a_chunks_loss_in_blocks_of_rows(name, teacher, elements, jit_compile, m
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TF's blocks of a chunk's rows (see above); the others have none")
 def test_blocks_of_a_chunk_stay_near_the_budget():
-    from keras_penalties.backend import _tensorflow_blocks
+    from keras_penalties.backend.tensorflow import blocks as tf_blocks
 
-    budget = backend._module.CHUNK_ELEMENTS  # 2**20: 8 rows of 128256, 32 of 32000
+    budget = backend.CHUNK_ELEMENTS  # 2**20: 8 rows of 128256, 32 of 32000
 
     def block_rows(rows, classes):
-        return _tensorflow_blocks._block_rows(rows, classes, budget)
+        return tf_blocks._block_rows(rows, classes, budget)
 
     assert block_rows(128, 128256) == 8 and block_rows(130, 128256) == 5  # 5 divides 130; 4..8 allowed
     assert block_rows(509, 32000) == 509  # no divisor in 16..32: the chunk whole, not 509 blocks of 1

@@ -1,11 +1,21 @@
 """The one place with backend-specific code.
 
-One module per Keras backend (`jax`, `tensorflow`, `torch`), chosen once
-when keras_penalties is imported, as Keras organises `keras/src/backend/`.
-Each name below is the chosen module's, or `_common`'s where that module
-defines none (`_common` holds what the backends share; `_NAMES` lists the
-names, and importing fails if one is defined by neither):
+One package per Keras backend (`jax/`, `tensorflow/`, `torch/`), chosen
+once when keras_penalties is imported, each with the same modules, one a
+concern of the contract below, as Keras gives every backend the same file
+names (`keras/src/backend/{jax,tensorflow,torch}/{core,nn,numpy,...}.py`):
+who found `chunked_sum` on JAX finds it on torch in the same file. A
+backend's concern module defines the names it does its own way; `common.py`
+holds the one-device defaults of the others, what Keras' own ops already do
+well. `CONTRACT` maps each concern to its names (documented below, by
+concern); importing fails if a name is defined by neither the concern's
+module nor `common`, and a test fails if a backend defines a contract name
+outside its concern's module or lacks a concern's module. What one backend
+alone needs has a named module of its own (`blocks.py` on JAX and TF,
+`tracing.py` on TF) and defines no contract name. Callers import only
+`keras_penalties.backend`.
 
+`autodiff`: gradients, the parameter probe, what a trace allows.
 - `gradients(fn, tensors)`: gradients of the scalar `fn(*tensors)` w.r.t.
   each tensor, kept differentiable (double backprop).
 - `parameter_probe(trainable, others, outputs, num_outputs, grad_norms, batched=False, update=None)`:
@@ -24,6 +34,18 @@ names, and importing fails if one is defined by neither):
   assigns, after the call, those `fn` assigned; a variable `fn` reads that
   is neither the model's nor in `state` would be a constant of the jitted
   call there); result None without it.
+- `traced_outside_scope(x)`: whether `x` is a value of a trace that no
+  variable may hold (a user's `jax.jit` with no stateless scope): the
+  composites then leave their running sums alone. False on TF and torch.
+- `keep_for_metrics(variables)`, `kept_for_metrics(kept, variables)`: a
+  composite's running state as its forward pass left it, for the same
+  step's metrics where they cannot read the variables (JAX's `fit` reads
+  metrics in a scope of their own: the forward pass's tracers, kept with
+  their gradient stopped); None on TF and torch, whose metrics read the
+  variables.
+
+`kernels`: the row kernels, the sums, the proximal step, dtype facts, and
+the calls on a composite's few-element state at every training step.
 - `softmax_pair(logits, axis, log_softmax=None)`: `(p, log p)` of logits,
   the cheaper way on that backend (shared exp under XLA; exp(log_softmax)
   on TF, and on torch below 16 classes), reusing `log_softmax` if given.
@@ -52,13 +74,44 @@ names, and importing fails if one is defined by neither):
   order).
 - `soft_cap(logits, cap)`: cap·tanh(logits / cap) (torch inside a chunk
   loop: an `autograd.Function` whose gradient is one pass, first order).
+- `sum_of_squares(x)`: Σx² in one pass over x, exact to float32 rounding
+  at any size (dots of x with itself, in rows, on torch).
+- `sum_abs(x)`: Σ|x| in one pass over x, exact to float32 rounding at any
+  size (a 1-norm; abs-then-sum a block at a time on torch).
+- `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
+  elastic-net proximal step of `ProximalDecay`, in place on each variable
+  (`torch._foreach_*` calls on torch).
+- `unit_clip(grads, weights, clip_factor, eps)`: adaptive gradient
+  clipping of each gradient by its variable's unit norms (plain torch ops
+  on torch).
 - `smallest_normal(dtype)`: the smallest normal number of a float dtype, a
   Python float (the floor of the package's logs).
 - `is_half(dtype)`: whether a dtype is float16 or bfloat16 (the package
   computes those in float32).
-- `traced_outside_scope(x)`: whether `x` is a value of a trace that no
-  variable may hold (a user's `jax.jit` with no stateless scope): the
-  composites then leave their running sums alone. False on TF and torch.
+- `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax
+  of its inputs (`ops._numerics.sharing`; torch only: XLA and TF's graph
+  optimizer merge repeated ones).
+- `as_tensor(x)`: `ops.convert_to_tensor(x)`; on torch a tensor already
+  on Keras' device as it is, without Keras' call.
+- `stack(tensors)`: `ops.stack` along a new first axis (`torch.stack` on
+  torch: without Keras' conversion of each tensor).
+- `add_to_row(variable, row, values)`: variable[row] += values, for the
+  running values of a composite (in place on torch).
+- `increment(variable)`: variable += 1, for a composite's step count (in
+  place on torch).
+- `SMALL_OPS`: the calls a composite's update makes on its few-element
+  tensors at every training step (FAMO's): stop_gradient, log, exp, relu,
+  softmax (last axis), sum, power, sqrt and stack; `keras.ops` itself,
+  torch's own calls on torch.
+- `assign_all(pairs)`: each `(variable, value)` pair's variable set to its
+  value (a composite's state after a step; in place on torch, in one
+  `no_grad` block).
+- `reduce_sum(x, axis=None)`: `ops.sum` of a float tensor (`torch.sum`
+  itself on torch).
+- `divide_by_count(total, n)`: total / n for a count, as a tensor of
+  total's dtype.
+
+`chunks`: the chunk loops and their budgets.
 - `map_chunks(fn, chunks, dtype)`: `fn` over the leading axis of a tuple
   of tensors, stacked, one chunk at a time, each row's gradient formed
   with its value so that the backward pass recomputes nothing (a
@@ -83,50 +136,15 @@ names, and importing fails if one is defined by neither):
   upstream gradient (the values' shape) is known only in the backward
   pass, which forms each chunk again as `chunked_sum` with it as the
   weights.
-- `SHARES_SOFTMAX`: whether an objective's terms share the (log-)softmax
-  of its inputs (`ops._numerics.sharing`; torch only: XLA and TF's graph
-  optimizer merge repeated ones).
+- `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
+  `rows @ kernelᵀ` without a transposed copy of the kernel.
 - `CHUNK_ELEMENTS`, `HEAD_CHUNK_ELEMENTS`: elements per chunk for
   `chunk_size="auto"` (rows = elements // classes), of formed logits
   (`map_chunks`) and of logits formed from hidden states (`chunked_sum`):
   the fastest measured on the benchmark machine (bench/results/README.md).
-- `project(rows, kernel, transpose_kernel)`: `rows @ kernel`, or
-  `rows @ kernelᵀ` without a transposed copy of the kernel.
-- `sum_of_squares(x)`: Σx² in one pass over x, exact to float32 rounding
-  at any size (dots of x with itself, in rows, on torch).
-- `sum_abs(x)`: Σ|x| in one pass over x, exact to float32 rounding at any
-  size (a 1-norm; abs-then-sum a block at a time on torch).
-- `as_tensor(x)`: `ops.convert_to_tensor(x)`; on torch a tensor already
-  on Keras' device as it is, without Keras' call.
-- `stack(tensors)`: `ops.stack` along a new first axis (`torch.stack` on
-  torch: without Keras' conversion of each tensor).
-- `add_to_row(variable, row, values)`: variable[row] += values, for the
-  running values of a composite (in place on torch).
-- `increment(variable)`: variable += 1, for a composite's step count (in
-  place on torch).
-- `SMALL_OPS`: the calls a composite's update makes on its few-element
-  tensors at every training step (FAMO's): stop_gradient, log, exp, relu,
-  softmax (last axis), sum, power, sqrt and stack; `keras.ops` itself,
-  torch's own calls on torch.
-- `assign_all(pairs)`: each `(variable, value)` pair's variable set to its
-  value (a composite's state after a step; in place on torch, in one
-  `no_grad` block).
-- `reduce_sum(x, axis=None)`: `ops.sum` of a float tensor (`torch.sum`
-  itself on torch).
-- `divide_by_count(total, n)`: total / n for a count, as a tensor of
-  total's dtype.
-- `proximal_step(variables, threshold, shrink, center)`: the L1 / L2 /
-  elastic-net proximal step of `ProximalDecay`, in place on each variable
-  (`torch._foreach_*` calls on torch).
-- `unit_clip(grads, weights, clip_factor, eps)`: adaptive gradient
-  clipping of each gradient by its variable's unit norms (plain torch ops
-  on torch).
-- `keep_for_metrics(variables)`, `kept_for_metrics(kept, variables)`: a
-  composite's running state as its forward pass left it, for the same
-  step's metrics where they cannot read the variables (JAX's `fit` reads
-  metrics in a scope of their own: the forward pass's tracers, kept with
-  their gradient stopped); None on TF and torch, whose metrics read the
-  variables.
+
+
+`distribution`: row shards, replicas, the sums and homes of SPEC §11, processes.
 - `row_shards()`: how many devices a chunked op's rows are split over
   inside one computation (JAX's `DataParallel`, where `map_chunks` and
   `chunked_sum` run each device's own chunks); 1 elsewhere.
@@ -153,9 +171,9 @@ names, and importing fails if one is defined by neither):
 - `variable_home(model=None)`: where a variable made now (or `model`'s
   variables) lives: the `tf.distribute` strategy, the Keras distribution
   on JAX; None outside any (and always on torch).
+- `made_at(home)`: a context in which variables are made at `home`.
 - `one_process()`: a context in which each process computes alone, as on
   one device (torch processes under DDP; nothing elsewhere).
-- `made_at(home)`: a context in which variables are made at `home`.
 - `loss_replicas()`: what Keras' own losses divide a mean by for
   distribution (`scale_loss_for_distribution`).
 - `outside_distribution(fn)`: `fn()` run where no `tf.distribute`
@@ -171,67 +189,79 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_penalties.backend import _common
+from keras_penalties.backend import common
 
-# The contract: the names documented above, in that order.
-_NAMES = (
-    "gradients",
-    "parameter_probe",
-    "softmax_pair",
-    "js_rows",
-    "kl_rows",
-    "pick_labels",
-    "label_cross_entropy",
-    "label_logprobs",
-    "soft_cap",
-    "smallest_normal",
-    "is_half",
-    "traced_outside_scope",
-    "map_chunks",
-    "chunked_sum",
-    "chunked_values",
-    "SHARES_SOFTMAX",
-    "CHUNK_ELEMENTS",
-    "HEAD_CHUNK_ELEMENTS",
-    "project",
-    "sum_of_squares",
-    "sum_abs",
-    "as_tensor",
-    "stack",
-    "add_to_row",
-    "increment",
-    "SMALL_OPS",
-    "assign_all",
-    "reduce_sum",
-    "divide_by_count",
-    "proximal_step",
-    "unit_clip",
-    "keep_for_metrics",
-    "kept_for_metrics",
-    "row_shards",
-    "replicas_in_sync",
-    "gradients_in_sync",
-    "sum_over_replicas",
-    "gather_over_replicas",
-    "variable_home",
-    "made_at",
-    "one_process",
-    "loss_replicas",
-    "outside_distribution",
-)
+# The contract: each concern's names, documented above, in that order.
+CONTRACT = {
+    "autodiff": (
+        "gradients",
+        "parameter_probe",
+        "traced_outside_scope",
+        "keep_for_metrics",
+        "kept_for_metrics",
+    ),
+    "kernels": (
+        "softmax_pair",
+        "js_rows",
+        "kl_rows",
+        "pick_labels",
+        "label_cross_entropy",
+        "label_logprobs",
+        "soft_cap",
+        "sum_of_squares",
+        "sum_abs",
+        "proximal_step",
+        "unit_clip",
+        "smallest_normal",
+        "is_half",
+        "SHARES_SOFTMAX",
+        "as_tensor",
+        "stack",
+        "add_to_row",
+        "increment",
+        "SMALL_OPS",
+        "assign_all",
+        "reduce_sum",
+        "divide_by_count",
+    ),
+    "chunks": (
+        "map_chunks",
+        "chunked_sum",
+        "chunked_values",
+        "project",
+        "CHUNK_ELEMENTS",
+        "HEAD_CHUNK_ELEMENTS",
+    ),
+    "distribution": (
+        "row_shards",
+        "replicas_in_sync",
+        "gradients_in_sync",
+        "sum_over_replicas",
+        "gather_over_replicas",
+        "variable_home",
+        "made_at",
+        "one_process",
+        "loss_replicas",
+        "outside_distribution",
+    ),
+}
 
 _BACKEND = keras.backend.backend()
 if _BACKEND not in ("jax", "tensorflow", "torch"):
     raise ImportError(
         f"keras_penalties supports the jax, tensorflow and torch backends; the current Keras backend is {_BACKEND!r}."
     )
-_module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}")
-
-_missing = [name for name in _NAMES if not hasattr(_module, name) and not hasattr(_common, name)]
-if _missing:
-    raise ImportError(f"neither keras_penalties.backend.{_BACKEND} nor backend._common defines {', '.join(_missing)}")
-globals().update({name: getattr(_module if hasattr(_module, name) else _common, name) for name in _NAMES})
-__all__ = list(_NAMES)
+_chosen = {}
+for _concern, _names in CONTRACT.items():
+    _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}.{_concern}")
+    _chosen.update({name: getattr(_module, name, getattr(common, name, None)) for name in _names})
+    _missing = [name for name in _names if not hasattr(_module, name) and not hasattr(common, name)]
+    if _missing:
+        raise ImportError(
+            f"neither keras_penalties.backend.{_BACKEND}.{_concern} nor backend.common defines {', '.join(_missing)}"
+        )
+globals().update(_chosen)
+__all__ = [name for names in CONTRACT.values() for name in names]
 
 if TYPE_CHECKING:
     # For type checkers, which cannot see the names set above: each is Any.

@@ -1,7 +1,6 @@
-"""Torch's heads: logits formed from hidden states a chunk at a time
-(`chunked_sum`, `chunked_values`), the product they are made of, and the
-first-order functions of a chunk's logits that save eager torch passes over
-them (`soft_cap`, `label_logprobs`). Used by `backend/torch.py` only."""
+"""Torch's chunk loops: `map_chunks` over formed logits, and `chunked_sum`
+and `chunked_values` over logits formed from hidden states, each an
+`autograd.Function` whose loop forms a chunk's gradient with its values."""
 
 import contextvars
 
@@ -9,7 +8,109 @@ import keras
 import torch
 
 from keras_penalties._types import Head
-from keras_penalties.backend import _common
+from keras_penalties.backend import common
+
+
+# chunk_size="auto": chunks of logits that stay in cache (128 rows of a 32000
+# vocabulary), and 64 rows of 128256 from hidden states, were the fastest on
+# the benchmark machine (bench/results/README.md).
+CHUNK_ELEMENTS = 4 * 2**20
+
+
+HEAD_CHUNK_ELEMENTS = 8 * 2**20
+
+
+class _MapChunks(torch.autograd.Function):
+    """See `map_chunks`. Inputs: fn, dtype, then the chunked tensors."""
+
+    @staticmethod
+    def forward(ctx, fn, dtype, *chunks):
+        wanted = [j for j, c in enumerate(chunks) if ctx.needs_input_grad[2 + j] and c.is_floating_point()]
+        slopes = {j: torch.empty(chunks[j].shape, dtype=dtype, device=chunks[j].device) for j in wanted}
+        values = []
+        for i, chunk in enumerate(_chunk_rows(chunks, dtype)):
+            watched = [chunk[j].requires_grad_(True) for j in wanted]
+            with torch.enable_grad():
+                chunk_values = fn(tuple(chunk))
+                connected = watched and chunk_values.requires_grad
+                # A row's value depends on that row alone: the gradient of
+                # the chunk's sum is each row's gradient of its own value.
+                grads = (
+                    torch.autograd.grad(chunk_values.sum(), watched, allow_unused=True)
+                    if connected
+                    else [None] * len(watched)
+                )
+            for j, g in zip(wanted, grads):
+                if g is None:
+                    slopes[j][i].zero_()
+                else:
+                    slopes[j][i] = g
+            values.append(chunk_values.detach())
+        ctx.fn, ctx.compute, ctx.wanted = fn, dtype, wanted
+        ctx.dtypes = [c.dtype for c in chunks]
+        # The inputs, as any autograd op keeps them, for a second backward
+        # pass (retain_graph=True: the monitor's per-term probe), which
+        # recomputes the chunks.
+        ctx.save_for_backward(*chunks)
+        # Not save_for_backward: the first backward pass scales the rows in
+        # place (a second buffer the size of the input would be the peak).
+        ctx.slopes = slopes
+        return torch.stack(values)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        slopes, ctx.slopes = ctx.slopes, None
+        if slopes is None:
+            slopes = _recomputed_grads(ctx.fn, ctx.saved_tensors, ctx.wanted, ctx.compute, upstream)
+        else:
+            for s in slopes.values():
+                s.mul_(upstream[..., None].to(s.dtype))
+        grads = [None] * len(ctx.dtypes)
+        for j, g in slopes.items():
+            grads[j] = g.to(ctx.dtypes[j])
+        return (None, None, *grads)
+
+
+def _chunk_rows(chunks, dtype):
+    """Each chunk's tensors, detached, floats in `dtype`."""
+    for chunk in zip(*(c.detach().unbind(0) for c in chunks)):
+        yield [x.to(dtype) if x.is_floating_point() else x for x in chunk]
+
+
+def _recomputed_grads(fn, chunks, wanted, dtype, upstream):
+    """The gradients of Σ upstream·fn(chunk) w.r.t. the `wanted` inputs,
+    each chunk computed again (its forward-made rows went to an earlier
+    backward pass)."""
+    grads = {j: torch.empty(chunks[j].shape, dtype=dtype, device=chunks[j].device) for j in wanted}
+    for i, chunk in enumerate(_chunk_rows(chunks, dtype)):
+        watched = [chunk[j].requires_grad_(True) for j in wanted]
+        with torch.enable_grad():
+            chunk_values = fn(tuple(chunk))
+            connected = watched and chunk_values.requires_grad
+            chunk_grads = (
+                torch.autograd.grad(chunk_values, watched, upstream[i].to(chunk_values.dtype), allow_unused=True)
+                if connected
+                else [None] * len(watched)
+            )
+        for j, g in zip(wanted, chunk_grads):
+            if g is None:
+                grads[j][i].zero_()
+            else:
+                grads[j][i] = g
+    return grads
+
+
+def map_chunks(fn, chunks, dtype):
+    """`fn` over the leading axis of the tuple `chunks`, stacked (values of
+    `dtype`), without recomputing any chunk in a training step's backward
+    pass: an `autograd.Function` whose loop forms, with each chunk's
+    values, each row's gradient of its own value (a row's value depends on
+    that row alone) into one buffer, for the inputs autograd needs; the
+    first backward pass only scales those rows by the upstream gradient,
+    in place, as on TF. A later backward pass over the same forward pass
+    (`retain_graph=True`) computes each chunk again. First order only."""
+    dtype = getattr(torch, keras.backend.standardize_dtype(dtype))
+    return _MapChunks.apply(fn, dtype, *chunks)
 
 
 def project(rows, kernel, transpose_kernel):
@@ -21,87 +122,11 @@ def project(rows, kernel, transpose_kernel):
 # Whether the code running is a chunk loop's function of a chunk's logits,
 # whose gradient is taken once (first order): where `soft_cap` and
 # `label_logprobs` fuse.
-_in_chunk = contextvars.ContextVar("keras_penalties_torch_in_chunk", default=False)
+in_chunk = contextvars.ContextVar("keras_penalties_torch_in_chunk", default=False)
 
 
-def _chunk_body():
-    return _common.flag_set(_in_chunk)
-
-
-class _SoftCap(torch.autograd.Function):
-    """c·tanh(z / c) as 2c·σ(2z / c) − c: torch's CPU `tanh` is five times
-    its `sigmoid` (bench/results/README.md); within 4 float32 ulps of c of
-    the exact cap (2σ − 1 cancels near 0). Its gradient 4σ(1 − σ) is two
-    passes over the saved σ, where autograd's takes three."""
-
-    @staticmethod
-    def forward(ctx, logits, cap):
-        s = torch.mul(logits, 2.0 / cap).sigmoid_()
-        ctx.save_for_backward(s)
-        return torch.add(torch.tensor(-cap, dtype=s.dtype), s, alpha=2.0 * cap)
-
-    @staticmethod
-    def backward(ctx, upstream):
-        (s,) = ctx.saved_tensors
-        return torch.ops.aten.sigmoid_backward(upstream, s).mul_(4.0), None
-
-
-def soft_cap(logits, cap):
-    """As `_common.soft_cap`; in a chunk loop, `_SoftCap` (first order)."""
-    if not _in_chunk.get():
-        return _common.soft_cap(logits, cap)
-    return _SoftCap.apply(logits, float(cap))
-
-
-class _LabelLogprobs(torch.autograd.Function):
-    """[rows, K (+ 1) (+ 1) (+ 1)]: log softmax(z) at each row's K labels
-    and, with `entropy`, H = −Σ p log p, with `log_sum_sq`, log Σ p² (a
-    constant), with `logsumexp`, lse = logsumexp(z), last. The gradient, for
-    upstream g (the K labels'), h (H's) and s (lse's): Σₖ gₖ·onehotₖ −
-    p·(Σₖ gₖ − s + h·(log p + H)), in two passes over the saved log p and p
-    (autograd's takes about six; lse's s rides in the same pass)."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, entropy, log_sum_sq, logsumexp):
-        logp = torch.log_softmax(logits, dim=-1)
-        columns = [logp.gather(-1, labels)]
-        p = logp.exp() if entropy or log_sum_sq else None
-        if entropy:
-            columns.append(-torch.linalg.vecdot(p, logp)[:, None])
-        if log_sum_sq:
-            columns.append(torch.linalg.vecdot(p, p)[:, None].log_())
-        if logsumexp:  # lse = z − log p at the first label (finite where the label's logit is)
-            columns.append(logits.gather(-1, labels[:, :1]) - columns[0][:, :1])
-        ctx.entropy, ctx.logsumexp = entropy, logsumexp
-        # p, formed for the entropy or log Σp², is kept: the backward pass needs it too.
-        ctx.save_for_backward(logp, labels, *([] if p is None else [p]), *([columns[1]] if entropy else []))
-        return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
-
-    @staticmethod
-    def backward(ctx, upstream):
-        logp, labels, *rest = ctx.saved_tensors
-        k = labels.shape[-1]
-        picked = upstream[:, :k]
-        total = picked.sum(-1, keepdim=True)
-        if ctx.logsumexp:  # ∂lse/∂z = p: s joins the −p·Σg term
-            total = total - upstream[:, -1:]
-        if ctx.entropy:
-            p, h = rest
-            slope = upstream[:, k : k + 1]
-            grad = torch.addcmul(-(total + slope * h), slope, logp, value=-1).mul_(p)
-        elif rest:
-            grad = rest[0] * -total
-        else:
-            grad = logp.exp().mul_(-total)
-        return grad.scatter_add_(-1, labels, picked), None, None, None, None
-
-
-def label_logprobs(logits, labels, entropy, log_sum_sq=False, logsumexp=False):
-    """As `_common.label_logprobs`; in a chunk loop, `_LabelLogprobs`
-    (first order) for float32 and float64 logits."""
-    if not _in_chunk.get() or logits.dtype not in (torch.float32, torch.float64):
-        return None
-    return _LabelLogprobs.apply(logits, labels.to(torch.int64), entropy, log_sum_sq, logsumexp)
+def chunk_body():
+    return common.flag_set(in_chunk)
 
 
 class _ChunkedSum(torch.autograd.Function):
@@ -178,7 +203,7 @@ def _sum_loop(fn, chunk_size, dtype, layout, weights, tensors, needs):
             ]
         watched = [logits[j].requires_grad_(True) for j in range(len(heads)) if any(wanted[j])]
         watched += [chunk_rows[i].requires_grad_(True) for i in row_wanted]
-        with torch.enable_grad(), _chunk_body():
+        with torch.enable_grad(), chunk_body():
             chunk_columns = torch.sum(weights[start:stop] * fn(logits, chunk_rows), dim=0)
             value = torch.sum(chunk_columns)
             connected = watched and value.requires_grad
@@ -286,11 +311,11 @@ class _ChunkedValues(torch.autograd.Function):
                 ]
             chunk_rows = [cast(r[start:stop]) for r in rows]
             if jacobians is None:
-                with torch.no_grad(), _chunk_body():
+                with torch.no_grad(), chunk_body():
                     chunk = fn(logits, chunk_rows)
             else:
                 watched = [x.requires_grad_(True) for x, j in zip(logits, jacobians) if j is not None]
-                with torch.enable_grad(), _chunk_body():
+                with torch.enable_grad(), chunk_body():
                     chunk = fn(logits, chunk_rows)
                     if chunk.dim() == 1:
                         # A row's value depends on its own row alone: the

@@ -1,4 +1,4 @@
-"""The torch backend's replicas: the processes of `torch.distributed`'s
+"""Torch's distribution: the processes of `torch.distributed`'s
 default group, each holding its own rows of the global batch, whose
 gradients `DistributedDataParallel` averages after the backward pass.
 
@@ -14,14 +14,15 @@ import contextvars
 
 import torch
 
-from keras_penalties.backend import _common
+from keras_penalties.backend import common
+
 
 _ONE_PROCESS = contextvars.ContextVar("keras_penalties_one_process", default=False)
 
 
 def one_process():
     """Within the block, each process computes as if it were alone."""
-    return _common.flag_set(_ONE_PROCESS)
+    return common.flag_set(_ONE_PROCESS)
 
 
 def replicas_in_sync():

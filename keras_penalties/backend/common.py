@@ -1,6 +1,7 @@
-"""What the backend modules share: the gradient norm, the softmax pair, and the one-device
-answers of the replica functions (JAX's distribution works on global arrays;
-Keras has no torch distribution)."""
+"""The one-device defaults of the backend contract (`backend/__init__.py`),
+by concern, for every name a backend's concern module leaves out, and the
+helpers the backends share (`flag_set`, `norm`, `TINY`). Keras' own ops:
+what XLA and TF's graphs fuse; the replica functions of one replica."""
 
 import concurrent.futures
 import contextlib
@@ -26,6 +27,34 @@ def flag_set(flag):
 def norm(grads):
     """‖(g₁, g₂, …)‖₂ over all the tensors, in float32."""
     return ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in grads))
+
+
+TINY = 1e-30  # below any gradient norm that matters, above float32's smallest normal
+
+
+# autodiff (`gradients` and `parameter_probe` are every backend's own)
+
+
+def traced_outside_scope(x):
+    """Whether `x` belongs to a trace whose values no variable may hold
+    (JAX only); False elsewhere."""
+    return False
+
+
+def keep_for_metrics(variables):
+    """What `kept_for_metrics` needs to find the values of `variables` as a
+    forward pass left them, when the same step reads its metrics; None
+    where a step's metrics read the variables themselves (TF, torch)."""
+    return None
+
+
+def kept_for_metrics(kept, variables):
+    """The values `keep_for_metrics` kept, where the code runs in a step
+    whose metrics cannot read `variables` themselves; None where they can."""
+    return None
+
+
+# kernels
 
 
 def softmax_pair(logits, axis, log_softmax=None):
@@ -85,6 +114,10 @@ def smallest_normal(dtype):
     return float(np.finfo(keras.backend.standardize_dtype(dtype)).tiny)
 
 
+def is_half(dtype):
+    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+
+
 def sum_of_squares(x):
     """Σx² over all of x. XLA and TF fuse square-then-sum into one pass
     (x·x on TF would be a matrix-vector product, slower)."""
@@ -95,6 +128,51 @@ def sum_abs(x):
     """Σ|x| over all of x, as a 1-norm: one reduction (under XLA and on TF
     the same loop as abs-then-sum). Its gradient is sign(x), 0 at 0."""
     return ops.norm(ops.reshape(x, (-1,)), ord=1)
+
+
+def proximal_step(variables, threshold, shrink, center):
+    """Each variable v ← c + k·(u − clip(u, −t, t)), u = v − c, in place: the
+    proximal step of an L1 (`threshold` t), L2 (`shrink` k = 1/(1 + 2·step),
+    with `center` c: None, a number or "mean", the variable's own mean) or
+    elastic-net decay (both, c = 0). t and k are float32 scalars, or None
+    for no thresholding / no shrinking. u − clip(u, ±t) is soft
+    thresholding, sign(u)·max(|u| − t, 0), in one pass fewer: |u| ≤ t gives
+    exactly 0."""
+    for v in variables:
+        x = v.value
+        c = None if center is None else ops.mean(x) if center == "mean" else ops.cast(center, x.dtype)
+        u = x if c is None else x - c
+        if threshold is not None:
+            t = ops.cast(threshold, x.dtype)
+            u = u - ops.clip(u, -t, t)
+        if shrink is not None:
+            u = u * ops.cast(shrink, x.dtype)
+        v.assign(u if c is None else c + u)
+
+
+def unit_clip(grads, weights, clip_factor, eps):
+    """Adaptive gradient clipping of each (gradient, weight) pair:
+    g·min(1, λ·max(‖w‖, ε)/‖g‖) with norms per unit (over every axis but
+    the last; the whole tensor for rank ≤ 1), computed in float32, and g
+    unchanged where ‖g‖ = 0."""
+    return [_unit_clip(g, w, clip_factor, eps) for g, w in zip(grads, weights)]
+
+
+def _unit_clip(g, w, clip_factor, eps):
+    grad = g
+    if is_half(g.dtype) or is_half(w.dtype):
+        g, w = ops.cast(g, "float32"), ops.cast(w, "float32")
+    shape = (-1, g.shape[-1]) if len(g.shape) > 1 else (-1,)
+    # √Σx² per unit rather than ops.norm, whose column norm is slow on torch.
+    w_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(w, shape)), axis=0))
+    g_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(g, shape)), axis=0))
+    limit = clip_factor * ops.maximum(w_norm, eps)
+    # min(1, limit/‖g‖), and 1 for a zero gradient (no 0/0).
+    scale = ops.minimum(1.0, limit / ops.maximum(g_norm, TINY))
+    return ops.cast(g * scale, grad.dtype)
+
+
+# kernels: a composite's few-element state
 
 
 def as_tensor(x):
@@ -144,72 +222,8 @@ def assign_all(pairs):
         variable.assign(value)
 
 
-def proximal_step(variables, threshold, shrink, center):
-    """Each variable v ← c + k·(u − clip(u, −t, t)), u = v − c, in place: the
-    proximal step of an L1 (`threshold` t), L2 (`shrink` k = 1/(1 + 2·step),
-    with `center` c: None, a number or "mean", the variable's own mean) or
-    elastic-net decay (both, c = 0). t and k are float32 scalars, or None
-    for no thresholding / no shrinking. u − clip(u, ±t) is soft
-    thresholding, sign(u)·max(|u| − t, 0), in one pass fewer: |u| ≤ t gives
-    exactly 0."""
-    for v in variables:
-        x = v.value
-        c = None if center is None else ops.mean(x) if center == "mean" else ops.cast(center, x.dtype)
-        u = x if c is None else x - c
-        if threshold is not None:
-            t = ops.cast(threshold, x.dtype)
-            u = u - ops.clip(u, -t, t)
-        if shrink is not None:
-            u = u * ops.cast(shrink, x.dtype)
-        v.assign(u if c is None else c + u)
-
-
-def unit_clip(grads, weights, clip_factor, eps):
-    """Adaptive gradient clipping of each (gradient, weight) pair:
-    g·min(1, λ·max(‖w‖, ε)/‖g‖) with norms per unit (over every axis but
-    the last; the whole tensor for rank ≤ 1), computed in float32, and g
-    unchanged where ‖g‖ = 0."""
-    return [_unit_clip(g, w, clip_factor, eps) for g, w in zip(grads, weights)]
-
-
-def _unit_clip(g, w, clip_factor, eps):
-    grad = g
-    if is_half(g.dtype) or is_half(w.dtype):
-        g, w = ops.cast(g, "float32"), ops.cast(w, "float32")
-    shape = (-1, g.shape[-1]) if len(g.shape) > 1 else (-1,)
-    # √Σx² per unit rather than ops.norm, whose column norm is slow on torch.
-    w_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(w, shape)), axis=0))
-    g_norm = ops.sqrt(ops.sum(ops.square(ops.reshape(g, shape)), axis=0))
-    limit = clip_factor * ops.maximum(w_norm, eps)
-    # min(1, limit/‖g‖), and 1 for a zero gradient (no 0/0).
-    scale = ops.minimum(1.0, limit / ops.maximum(g_norm, TINY))
-    return ops.cast(g * scale, grad.dtype)
-
-
-TINY = 1e-30  # below any gradient norm that matters, above float32's smallest normal
-
-
-def is_half(dtype):
-    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
-
-
-def traced_outside_scope(x):
-    """Whether `x` belongs to a trace whose values no variable may hold
-    (JAX only); False elsewhere."""
-    return False
-
-
-def keep_for_metrics(variables):
-    """What `kept_for_metrics` needs to find the values of `variables` as a
-    forward pass left them, when the same step reads its metrics; None
-    where a step's metrics read the variables themselves (TF, torch)."""
-    return None
-
-
-def kept_for_metrics(kept, variables):
-    """The values `keep_for_metrics` kept, where the code runs in a step
-    whose metrics cannot read `variables` themselves; None where they can."""
-    return None
+# distribution (chunks: `map_chunks`, `chunked_sum`, `chunked_values`,
+# `project` and the chunk budgets are every backend's own)
 
 
 def row_shards():
@@ -236,8 +250,8 @@ def gather_over_replicas(tensors, keep_losses_of=None):
 
 
 def variable_home(model=None):
-    # JAX lays a variable out by the distribution in effect when it is made.
-    return keras.distribution.distribution()
+    """Where a variable made now lives: nowhere in particular on one device."""
+    return None
 
 
 def one_process():
@@ -274,7 +288,11 @@ def outside_distribution(fn, in_strategy=False):
 
 
 _host: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
 _host_lock = threading.Lock()
+
+
 _on_host = threading.local()
 
 

@@ -1,6 +1,6 @@
 """TensorFlow's chunked heads, a block at a time: a chunk's logits in blocks
 of rows (`in_blocks`), and the kernel's gradient added in place a block of
-its rows at a time (`add_kernel_grad`). Used by `backend/_tensorflow_chunks.py` only."""
+its rows at a time (`add_kernel_grad`). Used by `chunks` only."""
 
 import tensorflow as tf
 

@@ -1,14 +1,93 @@
-"""JAX's heads: logits formed from hidden states a chunk at a time
-(`chunked_sum`, `chunked_values`), the products they cannot avoid, and the
-split of a chunked op's rows over the devices of Keras' distribution
-(`data_parallel`, `shard_map`). Used by `backend/jax.py` only."""
+"""JAX's chunk loops: `map_chunks` over formed logits and `chunked_sum`,
+`chunked_values` over logits formed from hidden states, each a `custom_vjp`
+over a `lax.scan` or `lax.map`; under Keras' `DataParallel` each device
+runs the chunks of its own rows (`distribution.data_parallel`)."""
 
 import jax
 import jax.numpy as jnp
-import keras
 from jax.sharding import PartitionSpec
 
 from keras_penalties._types import Head
+from keras_penalties.backend.jax.blocks import add_kernel_grad
+from keras_penalties.backend.jax.distribution import data_parallel, shard_map
+
+
+# chunk_size="auto": the budgets that were fastest on the benchmark machine,
+# of formed logits and from hidden states (bench/results/README.md).
+CHUNK_ELEMENTS = 16 * 2**20
+
+
+HEAD_CHUNK_ELEMENTS = 8 * 2**20
+
+
+def map_chunks(fn, chunks, dtype):
+    """`fn` over the leading axis of the tuple `chunks`, stacked (values of
+    `dtype`), without recomputing any chunk in the backward pass (see
+    `_map_chunks`). Under Keras' `DataParallel` over n > 1 devices, each
+    device runs the chunks of its own rows (`shard_map`): nothing is
+    gathered, and the gradients stay sharded like the inputs."""
+    chunks = tuple(chunks)
+    split = data_parallel(chunks[0].shape[0])
+    if split is None:
+        return _map_chunks(fn, chunks, dtype)
+    mesh, axis = split
+    spec = PartitionSpec(axis)
+    return shard_map(lambda *c: _map_chunks(fn, c, dtype), mesh, (spec,) * len(chunks), spec, axis)(*chunks)
+
+
+def _map_chunks(fn, chunks, dtype):
+    """`map_chunks` on one device, or on each device's own chunks.
+
+    A `custom_vjp` whose forward rule is one `lax.scan` that forms, with
+    each chunk's values, each row's gradient of its own value (a row's value
+    depends on that row alone, so the gradient of the chunk's sum is
+    exactly that) for the inputs JAX differentiates (`symbolic_zeros`: a
+    frozen teacher's rows cost nothing); the backward pass only scales
+    those rows by the upstream gradient, as on TF and torch. Without
+    differentiation it is a plain `lax.map`. Not `ops.map(keras.remat(fn))`,
+    which runs every chunk's forward pass again in the backward pass. First
+    order only.
+    """
+    dtypes = [c.dtype for c in chunks]
+
+    @jax.custom_vjp
+    def mapped(*chunks):
+        return jax.lax.map(fn, chunks)
+
+    def forward(*primals):
+        values = tuple(p.value for p in primals)
+        wanted = [j for j, p in enumerate(primals) if p.perturbed and _is_float(p.value)]
+
+        def step(_, chunk):
+            def chunk_values(*watched):
+                full = list(chunk)
+                for j, x in zip(wanted, watched):
+                    full[j] = x
+                return fn(tuple(full))
+
+            rows, pullback = jax.vjp(chunk_values, *[chunk[j] for j in wanted])
+            grads = dict(zip(wanted, pullback(jnp.ones_like(rows))))
+            return None, (rows, [grads[j].astype(dtype) if j in grads else None for j in range(len(chunk))])
+
+        _, (rows, grads) = jax.lax.scan(step, None, values)
+        return rows, grads
+
+    def backward(grads, upstream):
+        return tuple(None if g is None else _scale_rows(g, upstream).astype(d) for g, d in zip(grads, dtypes))
+
+    mapped.defvjp(forward, backward, symbolic_zeros=True)
+    return mapped(*chunks)
+
+
+def _scale_rows(grads, upstream):
+    """grads[i] *= upstream[i] chunk by chunk, in the kept buffer: a loop
+    that updates its carry in place. A plain `grads * upstream[..., None]`
+    makes XLA write a second buffer the size of the gradient."""
+
+    def step(i, g):
+        return jax.lax.dynamic_update_index_in_dim(g, g[i] * upstream[i][..., None].astype(g.dtype), i, 0)
+
+    return jax.lax.fori_loop(0, grads.shape[0], step, grads)
 
 
 def project(rows, kernel, transpose_kernel):
@@ -16,68 +95,6 @@ def project(rows, kernel, transpose_kernel):
     `dot_general` contracting the kernel's last axis)."""
     contract = 1 if transpose_kernel else 0
     return jax.lax.dot_general(rows, kernel, (((1,), (contract,)), ((), ())))
-
-
-def kernel_grad(hidden, dlogits, transpose_kernel):
-    """∂/∂kernel of Σ dlogits·(hidden @ kernel): hiddenᵀ·dlogits [H, V], or
-    dlogitsᵀ·hidden [V, H] for a transposed (tied) kernel."""
-    first, second = (dlogits, hidden) if transpose_kernel else (hidden, dlogits)
-    return jax.lax.dot_general(first, second, (((0,), (0,)), ((), ())))
-
-
-def _add_kernel_grad(total, hidden, dlogits, transpose_kernel):
-    """total + kernel_grad(hidden, dlogits); on CPU a block at a time (see
-    `_add_kernel_grad_in_blocks`). The blocks were measured on CPU only,
-    and XLA:GPU's GEMM rewriter can fold the add into the product (cuBLAS's
-    beta) where a loop of small products would cost a launch each: on other
-    platforms, and where variables may be sharded, it stays the plain sum."""
-    if jax.default_backend() != "cpu" or _model_parallel():
-        return total + kernel_grad(hidden, dlogits, transpose_kernel)
-    return _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel)
-
-
-def _model_parallel():
-    """Whether Keras' distribution splits variables (a `ModelParallel` mesh
-    with a non-batch axis over several devices). A kernel may then be
-    sharded on its vocabulary axis, which the blocks of a tied kernel's
-    gradient slice: XLA gathered each chunk's [chunk, V] logits gradient
-    for them, and left the kernel's gradient replicated."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, keras.distribution.ModelParallel):
-        return False
-    mesh = distribution.device_mesh
-    return any(size > 1 for name, size in zip(mesh.axis_names, mesh.shape) if name != distribution.batch_dim_name)
-
-
-def _add_kernel_grad_in_blocks(total, hidden, dlogits, transpose_kernel):
-    """total + kernel_grad(hidden, dlogits), a block of the kernel's rows at
-    a time (a loop: each block's product is added, in place, before the
-    next is formed), each block about the size of the chunk's logits.
-
-    XLA:CPU fuses no dot with an add: the whole [H, V] product would be a
-    temporary beside the sum. A [H, V] kernel's blocks are rows of H (slices of
-    the chunk's hidden columns), a [V, H] one's rows of V (slices of the
-    logits' gradient columns)."""
-    rows, features = hidden.shape
-    classes = dlogits.shape[1]
-    length = classes if transpose_kernel else features
-    block = max(1, rows * classes // features) if transpose_kernel else rows
-    if length <= block:
-        return total + kernel_grad(hidden, dlogits, transpose_kernel)
-
-    def product(start, size):
-        if transpose_kernel:
-            return kernel_grad(hidden, jax.lax.dynamic_slice_in_dim(dlogits, start, size, 1), True)
-        return kernel_grad(jax.lax.dynamic_slice_in_dim(hidden, start, size, 1), dlogits, False)
-
-    def add(total, start, size):
-        so_far = jax.lax.dynamic_slice_in_dim(total, start, size, 0)
-        return jax.lax.dynamic_update_slice_in_dim(total, so_far + product(start, size), start, 0)
-
-    total = jax.lax.fori_loop(0, length // block, lambda b, t: add(t, b * block, block), total)
-    if length % block:
-        total = add(total, length - length % block, length % block)
-    return total
 
 
 def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
@@ -118,43 +135,6 @@ def chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     return jnp.sum(partial), jnp.sum(columns, axis=0)
 
 
-def data_parallel(chunks):
-    """`(mesh, batch axis name)` where Keras' distribution (`DataParallel`,
-    or `ModelParallel`) splits the batch over n > 1 devices and the
-    `chunks` split evenly among them, else None."""
-    devices = row_shards()
-    if devices == 1 or not isinstance(chunks, int) or chunks % devices:
-        return None
-    distribution = keras.distribution.distribution()
-    return distribution.device_mesh.backend_mesh, distribution.batch_dim_name
-
-
-def row_shards():
-    """As `_common.row_shards`: the devices on the batch axis of Keras'
-    distribution (`DataParallel`, `ModelParallel`)."""
-    distribution = keras.distribution.distribution()
-    if not isinstance(distribution, (keras.distribution.DataParallel, keras.distribution.ModelParallel)):
-        return 1
-    mesh = distribution.device_mesh
-    return dict(zip(mesh.axis_names, mesh.shape))[distribution.batch_dim_name]
-
-
-def shard_map(fn, mesh, in_specs, out_specs, axis):
-    """`jax.shard_map` (`jax.experimental.shard_map` before 0.7) over the
-    mesh axis `axis` alone, without replication checks: `fn` runs no
-    collective over it, the cotangents of inputs not split on it (a kernel)
-    are summed over its devices by shard_map's transpose, and the other
-    axes stay XLA's (a kernel split on its vocabulary axis by
-    `ModelParallel` stays split inside)."""
-    manual = frozenset({axis})
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    auto = frozenset(mesh.axis_names) - manual
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False, auto=auto)
-
-
 def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     """`chunked_sum` on one device, or on each device's own rows (a
     `lax.scan`).
@@ -174,87 +154,17 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
     row_dtypes = [r.dtype for r in rows]
     head_dtypes = [[None if p is None else p.dtype for p in head] for head in heads]
 
-    def is_float(x):
-        return jnp.issubdtype(x.dtype, jnp.floating)
-
-    def cast(x):
-        return x if x is None or not is_float(x) else x.astype(dtype)
-
-    def split(x):
-        return x.reshape((-1, chunk_size) + x.shape[1:])
-
-    def logits_of(j, hidden, kernel, bias):
-        logits = project(hidden, kernel, transposed[j])
-        return logits if bias is None else logits + bias
-
-    def inputs(rows, heads, weights):
-        return [split(r) for r in rows], [split(head[0]) for head in heads], split(weights)
-
     @jax.custom_vjp
     def total(rows, heads, weights):
-        params = [(cast(k), cast(b)) for _, k, b in heads]
-
-        def step(acc, xs):
-            chunk_rows, hidden, w = xs
-            logits = [logits_of(j, cast(h), *params[j]) for j, h in enumerate(hidden)]
-            return acc + jnp.sum(w * fn(logits, [cast(r) for r in chunk_rows]), axis=0), None
-
-        columns = jax.lax.scan(step, jnp.zeros(weights.shape[1:], dtype), inputs(rows, heads, weights))[0]
+        columns = _summed_columns(fn, transposed, rows, heads, weights, chunk_size, dtype)
         return jnp.sum(columns), columns
 
     def forward(rows, heads, weights):
-        row_wanted = [i for i, r in enumerate(rows) if r.perturbed and is_float(r.value)]
+        row_wanted = [i for i, r in enumerate(rows) if r.perturbed and _is_float(r.value)]
         wanted = [[p is not None and p.perturbed for p in head] for head in heads]
-        rows = [r.value for r in rows]
-        heads = [[None if p is None else p.value for p in head] for head in heads]
-        params = [(cast(k), cast(b)) for _, k, b in heads]
-
-        def step(carry, xs):
-            acc, kernel_grads, bias_grads = carry
-            chunk_rows, hidden, w = xs
-            chunk_rows = [cast(r) for r in chunk_rows]
-            hidden = [cast(h) for h in hidden]
-            logits = [logits_of(j, h, *params[j]) for j, h in enumerate(hidden)]
-
-            def chunk_value(logits, wanted_rows):
-                all_rows = list(chunk_rows)
-                for i, t in zip(row_wanted, wanted_rows):
-                    all_rows[i] = t
-                columns = jnp.sum(w * fn(logits, all_rows), axis=0)
-                return jnp.sum(columns), columns
-
-            # Gradients nothing reads (a frozen teacher's logits) are dropped by XLA.
-            (_, value), (dlogits, row_grads) = jax.value_and_grad(chunk_value, argnums=(0, 1), has_aux=True)(
-                logits, [chunk_rows[i] for i in row_wanted]
-            )
-            kernel_grads = [
-                g if g is None else _add_kernel_grad(g, hidden[j], dlogits[j], transposed[j])
-                for j, g in enumerate(kernel_grads)
-            ]
-            bias_grads = [g if g is None else g + jnp.sum(dlogits[j], axis=0) for j, g in enumerate(bias_grads)]
-            hidden_grads = [
-                project(dlogits[j], params[j][0], not transposed[j]).astype(head_dtypes[j][0]) if wanted[j][0] else None
-                for j in range(len(heads))
-            ]
-            row_grads = [g.astype(row_dtypes[i]) for i, g in zip(row_wanted, row_grads)]
-            return (acc + value, kernel_grads, bias_grads), (row_grads, hidden_grads)
-
-        start = (
-            jnp.zeros(weights.value.shape[1:], dtype),
-            [jnp.zeros_like(params[j][0]) if wanted[j][1] else None for j in range(len(heads))],
-            [jnp.zeros_like(params[j][1]) if wanted[j][2] else None for j in range(len(heads))],
-        )
-        (value, kernel_grads, bias_grads), (row_grads, hidden_grads) = jax.lax.scan(
-            step, start, inputs(rows, heads, weights.value)
-        )
-        kept_rows = [None] * len(rows)
-        for i, g in zip(row_wanted, row_grads):
-            kept_rows[i] = g.reshape(rows[i].shape)
-        kept_heads = [
-            [None if h is None else h.reshape(head[0].shape), k, b]
-            for head, h, k, b in zip(heads, hidden_grads, kernel_grads, bias_grads)
-        ]
-        return (jnp.sum(value), value), (kept_rows, kept_heads)
+        values = ([r.value for r in rows], [[None if p is None else p.value for p in head] for head in heads])
+        value, kept = _summed_with_grads(fn, transposed, *values, weights.value, chunk_size, dtype, row_wanted, wanted)
+        return (jnp.sum(value), value), kept
 
     def backward(kept, upstream):
         kept_rows, kept_heads = kept
@@ -274,6 +184,100 @@ def _chunked_sum(fn, rows, heads, weights, chunk_size, dtype):
 
     total.defvjp(forward, backward, symbolic_zeros=True)
     return total(rows, heads, weights)
+
+
+def _is_float(x):
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _cast(x, dtype):
+    """A float tensor in the compute dtype; None and integer tensors as they are."""
+    return x if x is None or not _is_float(x) else x.astype(dtype)
+
+
+def _split(x, chunk_size):
+    """[n, ...] as [n / chunk_size, chunk_size, ...]: the scan's chunks."""
+    return x.reshape((-1, chunk_size) + x.shape[1:])
+
+
+def _logits(hidden, kernel, bias, transpose):
+    logits = project(hidden, kernel, transpose)
+    return logits if bias is None else logits + bias
+
+
+def _summed_columns(fn, transposed, rows, heads, weights, chunk_size, dtype):
+    """Σᵣ weights[r]·fn(chunk logits, chunk rows)[r] (the columns), one
+    chunk at a time: `_chunked_sum`'s value where nothing is differentiated."""
+    params = [(_cast(k, dtype), _cast(b, dtype)) for _, k, b in heads]
+
+    def step(acc, xs):
+        chunk_rows, hidden, w = xs
+        logits = [_logits(_cast(h, dtype), *params[j], transposed[j]) for j, h in enumerate(hidden)]
+        return acc + jnp.sum(w * fn(logits, [_cast(r, dtype) for r in chunk_rows]), axis=0), None
+
+    chunks = (
+        [_split(r, chunk_size) for r in rows],
+        [_split(h[0], chunk_size) for h in heads],
+        _split(weights, chunk_size),
+    )
+    return jax.lax.scan(step, jnp.zeros(weights.shape[1:], dtype), chunks)[0]
+
+
+def _summed_with_grads(fn, transposed, rows, heads, weights, chunk_size, dtype, row_wanted, wanted):
+    """`_chunked_sum`'s forward rule: `(columns, (row grads, head grads))`,
+    the gradients of the total w.r.t. the rows `row_wanted` lists and the
+    heads' parts (hidden, kernel, bias) `wanted` marks, unscaled, None for
+    the others."""
+    params = [(_cast(k, dtype), _cast(b, dtype)) for _, k, b in heads]
+
+    def step(carry, xs):
+        acc, kernel_grads, bias_grads = carry
+        chunk_rows = [_cast(r, dtype) for r in xs[0]]
+        hidden = [_cast(h, dtype) for h in xs[1]]
+        logits = [_logits(h, *params[j], transposed[j]) for j, h in enumerate(hidden)]
+
+        def chunk_value(logits, wanted_rows):
+            all_rows = list(chunk_rows)
+            for i, t in zip(row_wanted, wanted_rows):
+                all_rows[i] = t
+            columns = jnp.sum(xs[2] * fn(logits, all_rows), axis=0)
+            return jnp.sum(columns), columns
+
+        # Gradients nothing reads (a frozen teacher's logits) are dropped by XLA.
+        (_, value), (dlogits, row_grads) = jax.value_and_grad(chunk_value, argnums=(0, 1), has_aux=True)(
+            logits, [chunk_rows[i] for i in row_wanted]
+        )
+        kernel_grads = [
+            g if g is None else add_kernel_grad(g, hidden[j], dlogits[j], transposed[j])
+            for j, g in enumerate(kernel_grads)
+        ]
+        bias_grads = [g if g is None else g + jnp.sum(dlogits[j], axis=0) for j, g in enumerate(bias_grads)]
+        hidden_grads = [
+            project(dlogits[j], params[j][0], not transposed[j]).astype(heads[j][0].dtype) if wanted[j][0] else None
+            for j in range(len(heads))
+        ]
+        row_grads = [g.astype(rows[i].dtype) for i, g in zip(row_wanted, row_grads)]
+        return (acc + value, kernel_grads, bias_grads), (row_grads, hidden_grads)
+
+    start = (
+        jnp.zeros(weights.shape[1:], dtype),
+        [jnp.zeros_like(params[j][0]) if wanted[j][1] else None for j in range(len(heads))],
+        [jnp.zeros_like(params[j][1]) if wanted[j][2] else None for j in range(len(heads))],
+    )
+    chunks = (
+        [_split(r, chunk_size) for r in rows],
+        [_split(h[0], chunk_size) for h in heads],
+        _split(weights, chunk_size),
+    )
+    (value, kernel_grads, bias_grads), (row_grads, hidden_grads) = jax.lax.scan(step, start, chunks)
+    kept_rows = [None] * len(rows)
+    for i, g in zip(row_wanted, row_grads):
+        kept_rows[i] = g.reshape(rows[i].shape)
+    kept_heads = [
+        [None if h is None else h.reshape(head[0].shape), k, b]
+        for head, h, k, b in zip(heads, hidden_grads, kernel_grads, bias_grads)
+    ]
+    return value, (kept_rows, kept_heads)
 
 
 def chunked_values(fn, rows, heads, chunk_size, dtype):
@@ -306,7 +310,7 @@ def chunked_values(fn, rows, heads, chunk_size, dtype):
         wanted = ([w for w, _ in row_pairs], [[w for w, _ in h] for h in head_pairs])
         fixed = ([c for _, c in row_pairs], [[c for _, c in h] for h in head_pairs])
         hidden = [h[0].perturbed for h in heads]
-        frozen = not any(r.perturbed and jnp.issubdtype(r.value.dtype, jnp.floating) for r in rows) and not any(
+        frozen = not any(r.perturbed and _is_float(r.value) for r in rows) and not any(
             p is not None and p.perturbed for h in heads for p in h[1:]
         )
         rows = [r.value for r in rows]
@@ -346,7 +350,7 @@ def _one_value_a_row(fn, rows, heads, chunk_size, dtype):
 
     def chunk(chunk_rows, hidden):
         logits = [project(h.astype(dtype), k.astype(dtype), t) for h, (k, _, t) in zip(hidden, params)]
-        return fn(logits, [r.astype(dtype) if jnp.issubdtype(r.dtype, jnp.floating) else r for r in chunk_rows])
+        return fn(logits, [_cast(r, dtype) for r in chunk_rows])
 
     shape = jax.eval_shape(chunk, [r[:chunk_size] for r in rows], [h[0][:chunk_size] for h in heads]).shape
     return len(shape) == 1
@@ -380,28 +384,18 @@ def _mapped_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
 
 
 def _local_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
-    def cast(x):
-        return x if x is None or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
-
-    def split(x):
-        return x.reshape((-1, chunk_size) + x.shape[1:])
-
-    params = [(cast(k), cast(b), t) for _, k, b, t in heads]
+    params = [(_cast(k, dtype), _cast(b, dtype), t) for _, k, b, t in heads]
 
     def logits_of(hidden):
-        logits = []
-        for h, (k, b, t) in zip(hidden, params):
-            x = project(cast(h), k, t)
-            logits.append(x if b is None else x + b)
-        return logits
+        return [_logits(_cast(h, dtype), k, b, t) for h, (k, b, t) in zip(hidden, params)]
 
     def chunk(xs):
         chunk_rows, hidden = xs
-        return fn(logits_of(hidden), [cast(r) for r in chunk_rows])
+        return fn(logits_of(hidden), [_cast(r, dtype) for r in chunk_rows])
 
     def chunk_and_jacobians(xs):
         chunk_rows, hidden = xs
-        chunk_rows = [cast(r) for r in chunk_rows]
+        chunk_rows = [_cast(r, dtype) for r in chunk_rows]
 
         def summed(logits):
             values = fn(logits, chunk_rows)
@@ -416,7 +410,7 @@ def _local_values(fn, rows, heads, chunk_size, dtype, jacobians=None):
         ]
         return values, grads
 
-    inputs = ([split(r) for r in rows], [split(h[0]) for h in heads])
+    inputs = ([_split(r, chunk_size) for r in rows], [_split(h[0], chunk_size) for h in heads])
     if jacobians is None:
         values = jax.lax.map(chunk, inputs)
         return values.reshape((-1,) + values.shape[2:])
