@@ -13,7 +13,10 @@ written: the runtime checks (`_validation.choice`) take them with
 callers.
 """
 
-from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence, TypeAlias, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Sequence, TypeAlias, Union
+
+if TYPE_CHECKING:
+    from keras_penalties.composite.weighting import Weighting as _WeightingRule
 
 Tensor: TypeAlias = Any
 TensorLike: TypeAlias = Any
@@ -73,7 +76,10 @@ UnpairedKind: TypeAlias = Literal["kto", "apo_zero_unpaired"]
 PreferenceStatistic: TypeAlias = Literal["chosen", "rejected", "margin", "accuracy"]
 # An optional bound on each side: (low, high), either None.
 Bounds: TypeAlias = tuple[Optional[float], Optional[float]]
-Weighting: TypeAlias = Optional[Literal["uncertainty", "famo"]]
+# A composite's weighting rule: its name, its config dict or the rule itself
+# (`composite.weighting.Weighting`); None is "fixed".
+WeightingName: TypeAlias = Literal["fixed", "uncertainty", "famo"]
+Weighting: TypeAlias = Union[None, WeightingName, dict[str, Any], "_WeightingRule"]
 Center: TypeAlias = Union[float, Literal["mean"], None]
 ChunkSize: TypeAlias = Union[int, Literal["auto"], None]
 

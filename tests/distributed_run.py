@@ -34,6 +34,7 @@ from keras_penalties import CompositeObjective, RouterLogits, Term  # noqa: E402
 from keras_penalties import losses as L  # noqa: E402
 from keras_penalties import regularizers as R  # noqa: E402
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor  # noqa: E402
+from keras_penalties.composite.weighting import Weighting  # noqa: E402
 from keras_penalties.distillation import Distiller, LogitsDivergence  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -150,6 +151,24 @@ def train_famo():
     return results
 
 
+class Annealed(Weighting):
+    """A user's rule: the terms' own weights times 0.5^t, t the training
+    steps taken (a variable of its own, assigned in the step)."""
+
+    steps_in_training = True
+
+    def make_variables(self, owner, count):
+        self.add_variable(owner, "annealed_steps", 0.0)
+
+    def weights(self, owner, set_weights):
+        return set_weights() * keras.ops.power(0.5, owner.annealed_steps.value)
+
+    def total(self, owner, values, weights, enabled, update, model):
+        if update:
+            owner.annealed_steps.assign(owner.annealed_steps.value + 1.0)
+        return super().total(owner, values, weights, enabled, update, model)
+
+
 def learned_composites():
     """For each learned weighting, an objective and a loss, made before
     the model (and, for the two-device run, before the distribution)."""
@@ -165,6 +184,14 @@ def learned_composites():
         )
         for weighting in ("uncertainty", "famo")
     } | {
+        "own_rule": (
+            CompositeObjective({"l2": Term("l2"), "l1": Term("l1")}, weighting=Annealed(), name="own_obj"),
+            L.CompositeLoss(
+                {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+                weighting=Annealed(),
+                name="own_loss",
+            ),
+        ),
         "subclassed": (
             CompositeObjective({"l2": Term("l2"), "l1": Term("l1")}, weighting="famo", name="sub_obj"),
             L.CompositeLoss(
@@ -172,7 +199,7 @@ def learned_composites():
                 weighting="uncertainty",
                 name="sub_loss",
             ),
-        )
+        ),
     }
 
 

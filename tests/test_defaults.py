@@ -162,7 +162,7 @@ def test_loss_with_no_arguments_in_compile(name):
 # ------------------------------------------------------------------ composites
 
 # By name, and as the rule objects at their defaults (a fresh one a model).
-WEIGHTINGS = [None, "uncertainty", "famo", "FixedWeights()", "Uncertainty()", "FAMO()", "get('famo')"]
+WEIGHTINGS = [None, "fixed", "uncertainty", "famo", "Weighting()", "Fixed()", "Uncertainty()", "FAMO()", "get('famo')"]
 
 
 def _weighting_options(weighting):
@@ -176,7 +176,8 @@ def _weighting_options(weighting):
 
 
 _covers(
-    "composite.weighting.FixedWeights",
+    "composite.weighting.Weighting",
+    "composite.weighting.Fixed",
     "composite.weighting.Uncertainty",
     "composite.weighting.FAMO",
     "composite.weighting.get",
@@ -210,7 +211,7 @@ def test_composite_loss_with_penalty_names_only(weighting):
     _, values = loss.compute(Y_PROBS, probs.astype("float32"))
     for name in LOSS_TERMS:
         np.testing.assert_allclose(to_numpy(values[name]), expected[name], rtol=2e-5, atol=1e-7, err_msg=name)
-    if weighting in (None, "FixedWeights()"):
+    if weighting in (None, "fixed", "Weighting()", "Fixed()"):
         np.testing.assert_allclose(logs["loss"], sum(expected.values()), rtol=2e-5)
 
 
@@ -232,7 +233,7 @@ def test_composite_objective_with_penalty_names_only(weighting):
     values = model.get_layer("objective").running_values(training=False)
     for name in OBJECTIVE_TERMS:
         np.testing.assert_allclose(values[name], expected[name], rtol=2e-5, atol=1e-7, err_msg=name)
-    if weighting in (None, "FixedWeights()"):
+    if weighting in (None, "fixed", "Weighting()", "Fixed()"):
         np.testing.assert_allclose(logs["loss"], np.mean((outputs - Y) ** 2) + sum(expected.values()), rtol=2e-5)
 
 
@@ -732,7 +733,7 @@ _covers("RouterLogits")
 def _public_names():
     names = {name for name in keras_penalties.__all__ if name[0].isupper()}
     names.update(f"terms.{name}" for name in legacy_terms.__all__)
-    names.update(f"composite.weighting.{name}" for name in ("FixedWeights", "Uncertainty", "FAMO", "get"))
+    names.update(f"composite.weighting.{name}" for name in ("Weighting", "Fixed", "Uncertainty", "FAMO", "get"))
     for module in (callbacks, losses, optimizers, regularizers):
         names.update(f"{module.__name__.split('.')[-1]}.{name}" for name in module.__all__)
     names.update(f"ops.{name}" for name in P.__all__)

@@ -92,6 +92,8 @@ def test_two_devices_match_one(mode):
         "outside/uncertainty/weights",
         "outside/famo/loss",
         "outside/famo/weights",
+        "outside/own_rule/loss",
+        "outside/own_rule/weights",
         "outside/subclassed/loss",
         "outside/subclassed/weights",
         "masked/history/mloss/ce",

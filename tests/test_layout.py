@@ -7,6 +7,7 @@ so they run, and mean the same, on every backend."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -234,3 +235,18 @@ def test_ops_exports_only_what_it_defines():
     }
     assert public - own - {"PENALTIES", "TENSOR_OPS"} == set(ops.__all__)
 
+
+def test_what_a_weighting_rule_knows_stays_in_its_module():
+    # The rules' options and variables (FAMO's `famo_*`, 0.1.0's flat
+    # `weighting_*` options) are named in composite/weighting.py alone: the
+    # composites only ask the rule.
+    rules = PACKAGE / "composite" / "weighting.py"
+    assert re.search(r"\bfamo_\w+", rules.read_text())  # the check can fail
+    leaks = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in SOURCES
+        if path != rules
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\b(famo|weighting)_\w+", line)
+    ]
+    assert not leaks, leaks

@@ -10,6 +10,8 @@ import pytest
 
 from keras_penalties import CompositeObjective, Term
 from keras_penalties.callbacks import DynamicWeightAverage, GradNorm, PenaltyMonitor
+from keras_penalties.composite import weighting as rules
+from keras_penalties.composite.weighting import FAMO, Uncertainty, Weighting
 from keras_penalties.losses import CompositeLoss
 from tests.testing import assert_finite, grad, save_and_load, to_numpy
 
@@ -80,7 +82,7 @@ def test_objective_log_variances_are_trained_by_the_optimizer(policy, tmp_path):
     np.testing.assert_allclose(history.history["obj/a/weight"][-1], 0.5 * np.exp(-expected[0]), rtol=1e-5)
     loaded = save_and_load(model, tmp_path)
     np.testing.assert_allclose(to_numpy(loaded.get_layer("obj").log_variances), expected, rtol=1e-6)
-    assert loaded.get_layer("obj").weighting == "uncertainty"
+    assert repr(loaded.get_layer("obj").weighting) == "Uncertainty(learning_rate_multiplier=1.0)"
 
 
 def _frozen_head(kind="functional"):
@@ -141,7 +143,7 @@ def test_the_multiplier_scales_the_log_variances_gradient_under_sgd(policy, tmp_
     np.testing.assert_allclose(to_numpy(model.get_layer("obj").log_variances), expected, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(history.history["loss"][0], 0.5 * _terms_of(X).sum(), rtol=1e-5)
     loaded = save_and_load(model, tmp_path)
-    assert loaded.get_layer("obj").weighting_learning_rate_multiplier == 4.0
+    assert loaded.get_layer("obj").weighting.learning_rate_multiplier == 4.0
 
     model = _frozen_head()
     loss = CompositeLoss(
@@ -267,7 +269,7 @@ def test_famo_on_an_objective_follows_the_algorithm(policy, tmp_path):
     assert abs(xi[0] - xi[1]) > 0.05  # the logits moved
     loaded = save_and_load(model, tmp_path)
     again = loaded.get_layer("obj")
-    assert (again.weighting, again.famo_learning_rate, again.famo_gamma) == ("famo", 0.2, 0.01)
+    assert isinstance(again.weighting, FAMO) and again.weighting.get_config() == {"learning_rate": 0.2, "gamma": 0.01}
     np.testing.assert_allclose(to_numpy(again.famo_logits), xi, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(to_numpy(again.famo_steps), 8)
 
@@ -365,7 +367,7 @@ def test_famo_errors_name_the_argument():
         CompositeObjective({"a": "l2"}, weighting="famo", famo_learning_rate=0.0)
     with pytest.raises(ValueError, match="`famo_gamma`"):
         CompositeLoss({"a": keras.losses.MeanSquaredError()}, weighting="famo", famo_gamma=-1.0)
-    with pytest.raises(ValueError, match="apply with weighting='famo'"):
+    with pytest.raises(ValueError, match="`famo_gamma` applies with weighting='famo'"):
         CompositeObjective({"a": "l2"}, weighting="uncertainty", famo_gamma=0.1)
     objective = CompositeObjective({"a": "l2"}, weighting="famo")
     with pytest.raises(ValueError, match="learns its weights"):
@@ -807,36 +809,157 @@ def test_adaptive_methods_refuse_learned_weights():
     model = keras.Model(inputs, keras.layers.Dense(2, name="shared")(h))
     model.compile("sgd", "mse")
     for callback in (DynamicWeightAverage("obj"), GradNorm("obj", "shared", probe_data=X)):
-        with pytest.raises(ValueError, match="weighting='uncertainty'"):
+        with pytest.raises(ValueError, match=r"weighting=Uncertainty\(learning_rate_multiplier=1.0\), which learns"):
             model.fit(X, Y, epochs=1, verbose=0, callbacks=[callback])
 
 
 def test_weighting_as_a_rule_object_is_the_named_rule():
-    from keras_penalties.composite.weighting import FAMO, Uncertainty
-
     by_object = CompositeObjective({"a": "l2", "b": "l1"}, weighting=FAMO(learning_rate=0.2, gamma=0.0))
     by_name = CompositeObjective({"a": "l2", "b": "l1"}, weighting="famo", famo_learning_rate=0.2, famo_gamma=0.0)
     assert by_object.get_config() == {**by_name.get_config(), "name": by_object.name}
+    assert by_name.weighting.get_config() == {"learning_rate": 0.2, "gamma": 0.0}
     assert by_object.built and by_name.built  # built with its state, as Keras builds a layer without weights to shape
     with pytest.raises(ValueError, match="`learning_rate`"):
         FAMO(learning_rate=-1.0)
     with pytest.raises(ValueError, match="`learning_rate_multiplier`"):
         Uncertainty(0.0)
-    with pytest.raises(ValueError, match="`weighting` given as a rule object"):
+    with pytest.raises(ValueError, match="takes its options itself, not `weighting_learning_rate_multiplier`"):
         CompositeLoss({"l2": "l2"}, weighting=Uncertainty(2.0), weighting_learning_rate_multiplier=3.0)
 
 
 def test_weighting_survives_config_round_trips():
     objective = CompositeObjective({"a": "l2", "b": Term("l1", 0.5)}, weighting="uncertainty")
     again = CompositeObjective.from_config(objective.get_config())
-    assert again.weighting == "uncertainty" and again.log_variances.shape == (2,)
+    assert isinstance(again.weighting, Uncertainty) and again.log_variances.shape == (2,)
     loss = CompositeLoss(
         {"mse": keras.losses.MeanSquaredError()}, weighting="uncertainty", weighting_learning_rate_multiplier=3.0
     )
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
-    assert again.weighting == "uncertainty" and again.log_variances.shape == (1,)
-    assert again.weighting_learning_rate_multiplier == 3.0
+    assert isinstance(again.weighting, Uncertainty) and again.log_variances.shape == (1,)
+    assert again.weighting.learning_rate_multiplier == 3.0
     fixed = CompositeLoss({"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()})
     fixed.set_weight("mae", 0.3)
     again = CompositeLoss.from_config(fixed.get_config())
     np.testing.assert_allclose(list(again.weights_in_use().values()), [1.0, 0.3], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the rules as Keras objects
+
+
+@pytest.mark.parametrize(
+    "identifier, expected",
+    [
+        (None, "Fixed()"),
+        ("fixed", "Fixed()"),
+        ("uncertainty", "Uncertainty(learning_rate_multiplier=1.0)"),
+        ("famo", "FAMO(learning_rate=0.025, gamma=0.01)"),
+        ({"class_name": "famo", "config": {"learning_rate": 0.5}}, "FAMO(learning_rate=0.5, gamma=0.01)"),
+        (
+            {"class_name": "Uncertainty", "config": {"learning_rate_multiplier": 2.0}},
+            "Uncertainty(learning_rate_multiplier=2.0)",
+        ),
+        (keras.saving.serialize_keras_object(FAMO(0.1, 0.0)), "FAMO(learning_rate=0.1, gamma=0.0)"),
+    ],
+)
+def test_get_takes_a_name_a_config_or_a_rule(identifier, expected):
+    rule = rules.get(identifier)
+    assert repr(rule) == expected
+    assert rules.get(rule) is rule
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(rule))
+    assert type(again) is type(rule) and again.get_config() == rule.get_config()
+
+
+def test_get_names_what_it_refuses():
+    with pytest.raises(ValueError, match="`weighting` must be one of 'fixed', 'uncertainty', 'famo'; got 'famo2'"):
+        rules.get("famo2")
+    with pytest.raises(TypeError, match="`weighting` must be a Weighting rule"):
+        rules.get(0.5)
+    with pytest.raises(TypeError, match="`weighting` config describes MeanSquaredError"):
+        rules.get(keras.saving.serialize_keras_object(keras.losses.MeanSquaredError()))
+    with pytest.raises(ValueError, match="`gamma`"):
+        FAMO(gamma=-0.1)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: famo_rate"):
+        CompositeLoss({"a": keras.losses.MeanSquaredError()}, famo_rate=0.1)
+
+
+def test_flat_options_of_a_release_config_are_read_by_their_rule():
+    # 0.1.0 saved the rule's name and all three flat options, at their
+    # defaults beside the other rules.
+    flat = {"weighting_learning_rate_multiplier": 1.0, "famo_learning_rate": 0.025, "famo_gamma": 0.01}
+    config = CompositeObjective({"a": "l2"}, name="obj").get_config()
+    for name, options, expected in [
+        (None, {}, "Fixed()"),
+        ("uncertainty", {"weighting_learning_rate_multiplier": 3.0}, "Uncertainty(learning_rate_multiplier=3.0)"),
+        ("famo", {"famo_gamma": 0.0}, "FAMO(learning_rate=0.025, gamma=0.0)"),
+    ]:
+        again = CompositeObjective.from_config({**config, "weighting": name, **flat, **options})
+        assert repr(again.weighting) == expected
+    assert "famo_gamma" not in config and config["weighting"]["class_name"] == "Fixed"
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class Annealed(Weighting):
+    """The terms' own weights times decay^t, t the training steps taken: a
+    rule with a variable that advances at each training step."""
+
+    steps_in_training = True
+
+    def __init__(self, decay=0.5):
+        self.decay = float(decay)
+
+    def get_config(self):
+        return {"decay": self.decay}
+
+    def make_variables(self, owner, count):
+        self.add_variable(owner, "annealed_steps", 0.0)
+
+    def weights(self, owner, set_weights):
+        return set_weights() * keras.ops.power(self.decay, owner.annealed_steps.value)
+
+    def total(self, owner, values, weights, enabled, update, model):
+        if update:
+            owner.annealed_steps.assign(owner.annealed_steps.value + 1.0)
+        return super().total(owner, values, weights, enabled, update, model)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"], indirect=True)
+@pytest.mark.parametrize("target", ["objective", "loss"])
+def test_a_rule_of_ones_own_trains_saves_and_reloads(target, policy, tmp_path):
+    # Four training steps of a frozen head: the terms' values are known, and
+    # step t's total weighs them by w·0.5^t (the weights before its update).
+    if target == "objective":
+        inputs = keras.Input((3,))
+        h = CompositeObjective({"a": "l2", "b": Term("l1", 2.0)}, weighting=Annealed(0.5), name="obj")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1, trainable=False, name="head")(h))
+        model.compile("sgd", loss="mse")
+        composite = model.get_layer("obj")
+    else:
+        model = _frozen_head()
+        composite = CompositeLoss(
+            {"mse": keras.losses.MeanSquaredError(), "mae": keras.losses.MeanAbsoluteError()},
+            weights={"mse": 1.0, "mae": 2.0},
+            weighting={"class_name": "Annealed", "config": {"decay": 0.5}, "registered_name": "tests>Annealed"},
+        )
+        model.compile("sgd", loss=composite)
+    y = np.zeros((8, 1), "float32")
+    history = model.fit(X, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert float(to_numpy(composite._state_layer().annealed_steps)) == 4.0
+    assert keras.backend.standardize_dtype(composite._state_layer().annealed_steps.dtype) == "float32"
+    expected = {"obj": [1.0, 2.0], "composite_loss": [1.0, 2.0]}[composite.name]
+    np.testing.assert_allclose(list(composite.weights_in_use().values()), np.array(expected) * 0.5**4, rtol=1e-6)
+    if target == "objective":
+        outputs = to_numpy(model.predict(X, verbose=0)).astype(np.float64)
+        # The first epoch's two batches, at steps 0 and 1: the l2 and l1 (×2) terms of each batch's inputs.
+        batches = [
+            (_terms_of(X[4 * t : 4 * t + 4]) * [1.0, 2.0]).sum() * 0.5**t + np.mean(outputs[4 * t : 4 * t + 4] ** 2)
+            for t in range(2)
+        ]
+        rtol = 1e-2 if policy.startswith("mixed") else 1e-4
+        np.testing.assert_allclose(history.history["loss"][0], np.mean(batches), rtol=rtol)
+    loaded = save_and_load(model, tmp_path)
+    again = loaded.get_layer("obj") if target == "objective" else loaded.loss
+    assert type(again.weighting) is Annealed and again.weighting.decay == 0.5
+    assert float(to_numpy(again._state_layer().annealed_steps)) == 4.0
+    np.testing.assert_allclose(list(again.weights_in_use().values()), np.array(expected) * 0.5**4, rtol=1e-6)
+    loaded.fit(X, y, batch_size=8, epochs=1, verbose=0)
+    assert float(to_numpy(again._state_layer().annealed_steps)) == 5.0

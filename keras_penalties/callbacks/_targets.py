@@ -78,7 +78,7 @@ def _settable_target(model, target, method):
     """`_find_target`, refusing a target whose weights are learned: the
     adaptive `method` sets them."""
     found = _find_target(model, target)
-    if found.weighting_rule.learned:
+    if found.weighting.learned:
         raise ValueError(
             f"`target` {found.name!r} has weighting={found.weighting!r}, which learns its "
             f"weights; {method} sets them: build it without `weighting`."

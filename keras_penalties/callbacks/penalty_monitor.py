@@ -194,7 +194,7 @@ class PenaltyMonitor(keras.callbacks.Callback):
         if self._cadence.epoch_ended() is not None:
             self._after_batch(logs if logs is not None else {})
         for owner in self.objectives + _composite_losses(self.model):
-            if owner.weighting_rule.learned:
+            if owner.weighting.learned:
                 # Learned weights: what the next step uses.
                 _log_weights(owner, logs)
         if logs is not None and self._epoch_probes:

@@ -5,12 +5,14 @@ and the weighted total of the terms' values."""
 
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
+from keras_penalties import _keras_internals, backend
 from keras_penalties import _validation as check
 from keras_penalties.composite import weighting as rules
-from keras_penalties.composite.weighting import FAMO_DEFAULTS, is_schedule
+from keras_penalties.composite.weighting import is_schedule
 from keras_penalties._types import Tensor
 from keras_penalties.composite.state import state_variable
 from keras_penalties.composite.term import build_terms, serialize_terms
@@ -25,19 +27,10 @@ def make_weight_variables(owner, terms, rule, overridable=False):
     each schedule `set_weight` replaced by a number."""
     owner.term_weights = state_variable("term_weights", [0.0 if t.scheduled else t.weight for t in terms.values()])
     owner.term_enabled = state_variable("term_enabled", [float(t.enabled) for t in terms.values()])
-    owner.log_variances = None  # a rule's, where it learns them
     rule.make_variables(owner, len(terms))
     owner.weight_overridden = None
     if overridable:
         owner.weight_overridden = state_variable("weight_overridden", np.zeros(len(terms)))
-
-
-# The weighting options a config holds whatever the rule (0.1.0's configs).
-_DEFAULT_OPTIONS = {
-    "weighting_learning_rate_multiplier": 1.0,
-    "famo_learning_rate": FAMO_DEFAULTS[0],
-    "famo_gamma": FAMO_DEFAULTS[1],
-}
 
 
 class Composite:
@@ -54,6 +47,7 @@ class Composite:
     # What the subclass provides, declared for type checkers (the Keras base
     # classes they also derive from have no types).
     name: str
+    weighting: rules.Weighting  # the weighting rule
     _running: Any  # the composite's state.RunningSums
 
     def _state_layer(self) -> Any:
@@ -63,21 +57,17 @@ class Composite:
         raise NotImplementedError
 
     def _composite_config(self):
-        """The config entries both composites share (the weighting as its
-        name and its options, as 0.1.0 saved them)."""
+        """The config entries both composites share (the rule as Keras
+        serializes an object)."""
         return {
             "terms": serialize_terms(self.terms),
-            "weighting": self.weighting,
-            **self._weighting_options(),
+            "weighting": keras.saving.serialize_keras_object(self.weighting),
         }
 
-    def _weighting_options(self):
-        return {**_DEFAULT_OPTIONS, **self.weighting_rule.options()}
-
-    def _set_terms(self, terms, weights, weighting, multiplier=1.0, famo=FAMO_DEFAULTS):
+    def _set_terms(self, terms, weights, weighting):
         self.terms = build_terms(terms, weights)
-        # The rule, resolved once: every use below asks it, not its name.
-        self.weighting_rule = rules.get(weighting, multiplier, famo)
+        # The rule (`rules.get`'s), resolved once: every use below asks it.
+        self.weighting = weighting
         # Fixed for the life of the composite: the traced step evaluates these.
         self._schedules = [t.weight if t.scheduled else None for t in self.terms.values()]
         self._scheduled = np.array([s is not None for s in self._schedules])
@@ -101,25 +91,8 @@ class Composite:
         array[index] = value
         variable.assign(array)
 
-    @property
-    def weighting(self) -> Any:
-        """The weighting rule's name: None (the terms' weights), "uncertainty" or "famo"."""
-        return self.weighting_rule.name
-
-    @property
-    def weighting_learning_rate_multiplier(self) -> float:
-        return self._weighting_options()["weighting_learning_rate_multiplier"]
-
-    @property
-    def famo_learning_rate(self) -> float:
-        return self._weighting_options()["famo_learning_rate"]
-
-    @property
-    def famo_gamma(self) -> float:
-        return self._weighting_options()["famo_gamma"]
-
     def _refuse_learned(self, what):
-        if self.weighting_rule.learned:
+        if self.weighting.learned:
             raise ValueError(
                 f"{what}: {self.name!r} has weighting={self.weighting!r}, which learns its "
                 "weights; build it without `weighting` to set them."
@@ -217,7 +190,7 @@ class Composite:
         return None
 
     def _weights_at(self, step):
-        return self.weighting_rule.weights(self._state_layer(), lambda: self._set_weights_at(step))
+        return self.weighting.weights(self._state_layer(), lambda: self._set_weights_at(step))
 
     def _set_weights_at(self, step):
         """The weights as set: numbers, and schedules at `step` unless
@@ -258,7 +231,11 @@ class Composite:
         training step) the rule's state advances."""
         if weights is None:
             weights = self.current_weights()
-        state = self._state_layer()
-        return self.weighting_rule.total(
-            state, values, weights, state.term_enabled.value, update, self._model_across_replicas()
-        )
+        state, model = self._state_layer(), self._model_across_replicas()
+        if backend.gradients_in_sync() == 1:
+            return self.weighting.total(state, values, weights, state.term_enabled.value, update, model)
+        # Several tf.distribute replicas (threads of one process): a rule's
+        # cross-replica sum or assignment switches replica threads, whose
+        # forward passes share the model's add_loss lists; they are kept.
+        with _keras_internals.added_losses_kept(model):
+            return self.weighting.total(state, values, weights, state.term_enabled.value, update, model)

@@ -35,6 +35,7 @@ from keras_penalties import _validation as check
 from keras_penalties.ops import _numerics as num
 from keras_penalties.ops import _reductions as reductions
 from keras_penalties.ops._dtypes import as_float32
+from keras_penalties.composite import weighting as rules
 from keras_penalties.composite.core import Composite, make_weight_variables
 from keras_penalties.composite.state import state_variable
 from keras_penalties._replicas import whole_batch_values
@@ -58,30 +59,15 @@ class CompositeObjective(Composite, keras.layers.Layer):
         weights: optional dict name → number or schedule, overriding the
             terms' own weights.
         name: the layer name, also the prefix of the logged values.
-        weighting: None (the terms' weights), or `"uncertainty"` (Kendall et
-            al., 2018, as LibMTL): a trainable log-variance sᵢ per term,
-            initially 0, trained by the model's optimizer; the total is
-            Σ ½·exp(−sᵢ)·termᵢ + ½·sᵢ over enabled terms, the terms' own
-            weights are ignored, and the weight reported is ½·exp(−sᵢ). The
-            optimizer's weight decay never applies to the sᵢ (it would pull
-            every weight towards ½). Or `"famo"` (Liu et al., 2023, as its
-            official code): logits ξ per term (initially 0) with an Adam of
-            their own, z = softmax(ξ); the total is Σ cᵢzᵢ·log Dᵢ over
-            enabled terms, Dᵢ = max(termᵢ, 0) + 1e-8 and c = (Σⱼ zⱼ/Dⱼ)⁻¹
-            held constant, so the gradient is Σ wᵢ·∇termᵢ with the effective
-            weights wᵢ = cᵢzᵢ/Dᵢ (they sum to 1; the weight reported). At
-            each training step ξ first takes its Adam step on the change of
-            the log-losses since the previous step.
-        weighting_learning_rate_multiplier: with `weighting="uncertainty"`,
-            a number > 0 that scales the gradients of the sᵢ (default 1), so
-            they can move faster than the model's weights under SGD-like
-            optimizers. Adam and its kin divide by the gradient's running
-            magnitude, so there it changes almost nothing: give the sᵢ a
-            larger step through the optimizer's learning rate instead.
-        famo_learning_rate, famo_gamma: with `weighting="famo"`, the
-            learning rate (> 0, default 0.025) and weight decay (≥ 0,
-            default 0.01, added to the gradient as torch's Adam does) of
-            the logits' Adam: the official implementation's defaults.
+        weighting: how the terms are weighted: a rule of
+            `keras_penalties.composite.weighting` (`Fixed()`, the default,
+            each term weighs what it was given; `Uncertainty(...)`, learned
+            log-variances; `FAMO(...)`, FAMO's logits; or a `Weighting` of
+            your own), its name (`"fixed"`, `"uncertainty"`, `"famo"`) or
+            its config dict. The rule's docstring says what it does and
+            takes; the composite keeps it as its `weighting` attribute.
+        **kwargs: as for any `keras.layers.Layer`, and a rule's options in
+            0.1.0's flat form beside its name (see `weighting.from_arguments`).
 
     Example:
 
@@ -100,15 +86,13 @@ class CompositeObjective(Composite, keras.layers.Layer):
         weights: dict[str, Weight] | None = None,
         name: str | None = None,
         weighting: Weighting = None,
-        weighting_learning_rate_multiplier: float = 1.0,
-        famo_learning_rate: float = 0.025,
-        famo_gamma: float = 0.01,
         **kwargs: Any,
     ) -> None:
+        rule = rules.from_arguments(weighting, kwargs)
         # A pass-through: inputs keep their dtype under a mixed policy.
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
-        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma))
+        self._set_terms(terms, weights, rule)
         self.supports_masking = True
         # Per forward pass: the weights of its step, and the losses it added.
         self._passes: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -125,7 +109,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
 
     def _make_state(self):
         with keras.name_scope(self.name, caller=self):
-            make_weight_variables(self, self.terms, self.weighting_rule, overridable=True)
+            make_weight_variables(self, self.terms, self.weighting, overridable=True)
             # Training steps taken: every replica advances it alike.
             self.step = state_variable("step", 0, dtype="int32", local=True)
             # Running sums of each term's unweighted value (then of its
@@ -236,7 +220,7 @@ class CompositeObjective(Composite, keras.layers.Layer):
         training = bool(training) and not backend.traced_outside_scope(values)
         state = self._pass(training)
         if training:
-            self.weighting_rule.before_step(self, self._training_model)
+            self.weighting.before_step(self, self._training_model)
         # FAMO's state advances once per training step (at a shared
         # objective's first call of the step).
         update = training and not state["losses"]

@@ -15,6 +15,7 @@ from keras_penalties._saving import with_hint, without_hint
 from keras_penalties._types import DType, Penalty, Tensor, TensorLike, Weighting
 from keras_penalties.composite import capture
 from keras_penalties.ops._dtypes import as_float32
+from keras_penalties.composite import weighting as rules
 from keras_penalties.composite.core import Composite, make_weight_variables
 from keras_penalties.composite.state import RunningSums
 from keras_penalties.composite.term import Term, deserialize_terms
@@ -24,9 +25,8 @@ from keras_penalties.ops import _reductions as reductions
 
 class LossState(keras.layers.Layer):
     """The variables of a `CompositeLoss`: its term weights and enabled flags
-    (float32, never autocast) and, with `weighting="uncertainty"`, the
-    trainable log-variances, or with `weighting="famo"` FAMO's state; and
-    the running sums of its term values. Keras gives a loss no model, so
+    (float32, never autocast), the weighting rule's own (`Uncertainty`'s
+    trainable log-variances, `FAMO`'s state); and the running sums of its term values. Keras gives a loss no model, so
     the loss adds this layer to the model that compiles it (see
     `CompositeLoss.attach`); its variables then travel in the model's
     training state like a layer's, and `.keras` files save the weights'
@@ -96,16 +96,14 @@ class CompositeLoss(Composite, keras.losses.Loss):
         weights: dict name → number ≥ 0 (default 1 each). Scheduled weights
             need the step count that a `CompositeObjective` layer carries:
             use one for them.
-        weighting: None, `"uncertainty"`: Σ ½·exp(−sᵢ)·lossᵢ + ½·sᵢ with a
-            trainable sᵢ per term, trained by the model's optimizer without
-            its weight decay, or `"famo"`: Σ cᵢzᵢ·log Dᵢ (see
-            `CompositeObjective`).
-        weighting_learning_rate_multiplier: scales the gradients of the sᵢ
-            (see `CompositeObjective`).
-        famo_learning_rate, famo_gamma: with `weighting="famo"` (see
-            `CompositeObjective`; FAMO's logits move at `fit`'s training
-            steps only, not in `evaluate`).
+        weighting: how the terms are weighted: a rule of
+            `keras_penalties.composite.weighting`, its name or its config
+            dict (see `CompositeObjective`); a rule that steps its state
+            (`FAMO`) steps at `fit`'s training steps only, not in
+            `evaluate`.
         name, dtype: as for any `keras.losses.Loss`.
+        **options: a rule's options in 0.1.0's flat form beside its name
+            (see `weighting.from_arguments`).
 
     Example:
 
@@ -126,12 +124,13 @@ class CompositeLoss(Composite, keras.losses.Loss):
         name: str = "composite_loss",
         dtype: DType = None,
         weighting: Weighting = None,
-        weighting_learning_rate_multiplier: float = 1.0,
-        famo_learning_rate: float = 0.025,
-        famo_gamma: float = 0.01,
+        **options: float,
     ) -> None:
+        rule = rules.from_arguments(weighting, options)
+        if options:
+            raise TypeError(f"CompositeLoss got unexpected keyword arguments: {', '.join(sorted(options))}.")
         super().__init__(name=name, dtype=dtype)
-        self._set_terms(terms, weights, weighting, weighting_learning_rate_multiplier, (famo_learning_rate, famo_gamma))
+        self._set_terms(terms, weights, rule)
         for term_name, term in self.terms.items():
             if term.scheduled:
                 raise ValueError(
@@ -144,7 +143,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
                     "`inputs` applies to CompositeObjective."
                 )
         self._home = backend.variable_home()  # where `state` is made
-        self._use_state(LossState(self.terms, self.weighting_rule, f"{self.name}_state", len(self.reported_keys)))
+        self._use_state(LossState(self.terms, self.weighting, f"{self.name}_state", len(self.reported_keys)))
         self._attached: list[weakref.ref[Any]] = []  # weak references to the models holding `state`
         model = _keras_internals.model_compiling_from_file()
         if model is not None:
@@ -165,7 +164,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
 
         def make() -> LossState:
             with backend.made_at(home):
-                state = LossState(self.terms, self.weighting_rule, old.name, len(self.reported_keys))
+                state = LossState(self.terms, self.weighting, old.name, len(self.reported_keys))
             state.set_weights(old.get_weights())
             return state
 
@@ -187,7 +186,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
 
     @property
     def log_variances(self) -> keras.Variable | None:
-        return self.state.log_variances
+        """The `Uncertainty` rule's trainable sᵢ (None under other rules)."""
+        return getattr(self.state, "log_variances", None)
 
     def attach(self, model: keras.Model) -> bool:
         """Adds the loss's variables to `model` (once); returns whether they
@@ -208,7 +208,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
     def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
         # Keras tells a loss nothing of training: in `fit`, FAMO's state
         # advances where the model's train_step computes the loss.
-        training = self.weighting_rule.steps_in_training and _keras_internals.in_train_step()
+        training = self.weighting.steps_in_training and _keras_internals.in_train_step()
         return self._computed(y_true, y_pred, sample_weight, training)[0]
 
     def compute(
@@ -231,7 +231,7 @@ class CompositeLoss(Composite, keras.losses.Loss):
             model = _keras_internals.model_computing(self)
             if model is not None:
                 self.attach(model)
-        self.weighting_rule.before_step(self.state, self._model)
+        self.weighting.before_step(self.state, self._model)
         tensors = [t for t in (y_true, y_pred) if ops.is_tensor(t)]
         with num.sharing(tensors), reductions.global_token_means(self._model_across_replicas()):
             values = backend.stack(
