@@ -851,6 +851,8 @@ def test_weighting_survives_config_round_trips():
     [
         (None, "Fixed()"),
         ("fixed", "Fixed()"),
+        ("FAMO", "FAMO(learning_rate=0.025, gamma=0.01)"),
+        (Weighting(), "Weighting()"),
         ("uncertainty", "Uncertainty(learning_rate_multiplier=1.0)"),
         ("famo", "FAMO(learning_rate=0.025, gamma=0.01)"),
         ({"class_name": "famo", "config": {"learning_rate": 0.5}}, "FAMO(learning_rate=0.5, gamma=0.01)"),
@@ -874,12 +876,26 @@ def test_get_names_what_it_refuses():
         rules.get("famo2")
     with pytest.raises(TypeError, match="`weighting` must be a Weighting rule"):
         rules.get(0.5)
+    with pytest.raises(TypeError, match="`weighting` config could not be read as a Weighting rule"):
+        rules.get({"class_name": "Softmaxed", "config": {}})
+    with pytest.raises(TypeError, match="`weighting` config could not be read as a Weighting rule"):
+        rules.get({"class_name": "famo", "config": {"rate": 0.1}})
     with pytest.raises(TypeError, match="`weighting` config describes MeanSquaredError"):
         rules.get(keras.saving.serialize_keras_object(keras.losses.MeanSquaredError()))
     with pytest.raises(ValueError, match="`gamma`"):
         FAMO(gamma=-0.1)
     with pytest.raises(TypeError, match="unexpected keyword arguments: famo_rate"):
         CompositeLoss({"a": keras.losses.MeanSquaredError()}, famo_rate=0.1)
+
+
+def test_the_base_rule_saves_and_reloads_as_the_fixed_rule(tmp_path):
+    inputs = keras.Input((3,))
+    h = CompositeObjective({"a": "l2", "b": Term("l1", 0.5)}, weighting=Weighting(), name="obj")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(h))
+    model.compile("sgd", "mse")
+    model.fit(X, Y, batch_size=4, epochs=1, verbose=0)
+    again = save_and_load(model, tmp_path).get_layer("obj")
+    assert type(again.weighting) is Weighting and again.weights_in_use() == {"a": 1.0, "b": 0.5}
 
 
 def test_flat_options_of_a_release_config_are_read_by_their_rule():

@@ -106,7 +106,7 @@ class Composite:
         from a callback; on JAX reach the objective through the callback's
         `self.model` first (e.g. `self.model.get_layer(...)`), which syncs
         Keras' training state, as for any variable changed by a callback. With
-        learned weights (`weighting="uncertainty"` or `"famo"`): a `ValueError`.
+        learned weights (a rule that learns them: `Uncertainty`, `FAMO`): a `ValueError`.
         """
         index = self._index(name)
         self._refuse_learned("set_weight")

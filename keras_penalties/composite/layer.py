@@ -221,8 +221,8 @@ class CompositeObjective(Composite, keras.layers.Layer):
         state = self._pass(training)
         if training:
             self.weighting.before_step(self, self._training_model)
-        # FAMO's state advances once per training step (at a shared
-        # objective's first call of the step).
+        # The rule's state (FAMO's) advances once per training step (at a
+        # shared objective's first call of the step).
         update = training and not state["losses"]
         self._add_loss_of_pass(state, self._total(values, state["weights"], update=update))
         if metric_values:

@@ -206,8 +206,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
         return True
 
     def __call__(self, y_true: TensorLike, y_pred: TensorLike, sample_weight: TensorLike | None = None) -> Tensor:
-        # Keras tells a loss nothing of training: in `fit`, FAMO's state
-        # advances where the model's train_step computes the loss.
+        # Keras tells a loss nothing of training: in `fit`, a rule's state
+        # (FAMO's) advances where the model's train_step computes the loss.
         training = self.weighting.steps_in_training and _keras_internals.in_train_step()
         return self._computed(y_true, y_pred, sample_weight, training)[0]
 
@@ -217,8 +217,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
         """`(total, values)`: the loss as calling it gives, and each enabled
         term's unweighted value, for a custom training loop.
 
-        With `training=True` the call is a training step's: under
-        `weighting="famo"` FAMO's state advances first, as at each training
+        With `training=True` the call is a training step's: a rule that
+        steps in training (`FAMO`) advances its state, as at each training
         step of `fit` (call it so once per step, inside the gradient tape).
         """
         total, values = self._computed(y_true, y_pred, sample_weight, check.boolean("training", training))
@@ -248,8 +248,8 @@ class CompositeLoss(Composite, keras.losses.Loss):
         # training call's (fit resets them before evaluate reads them).
         if not capture.active(self):  # a probe's pass, in a stateless scope, would keep nothing
             self._running.add(reported, training=True)
-        # In a jax.jit of the user's own (no stateless scope) FAMO's state
-        # cannot take the trace's values: it stays.
+        # In a jax.jit of the user's own (no stateless scope) the rule's
+        # state cannot take the trace's values: it stays.
         update = training and not backend.traced_outside_scope(values)
         total = self._total(values, update=update)
         return ops.cast(_replicas.share(total), self.dtype), values

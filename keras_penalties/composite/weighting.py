@@ -116,6 +116,7 @@ def _checked(option, value, name=None):
     return float(_CHECKS[option](name or option, value))
 
 
+@keras.saving.register_keras_serializable(package="keras_penalties")
 class Weighting:
     """The base class of a composite's weighting rule.
 
@@ -131,7 +132,11 @@ class Weighting:
     `from_config` calls the constructor with them). Register it with
     `keras.saving.register_keras_serializable` to save and reload it in a
     `.keras` file. Its variables belong on `owner` (`add_variable`): Keras
-    tracks, trains and saves them there.
+    tracks, trains and saves them there. Its update at a training step is
+    `total`'s, with `update=True` (once per step; set `steps_in_training`
+    so that a `CompositeLoss`, which Keras does not tell whether it is
+    training, finds `fit`'s training steps): a rule may advance its state
+    before forming the total, as FAMO does, or after.
 
     Example: the terms' own weights, scaled to sum to 1.
 
@@ -350,6 +355,8 @@ def get(identifier: WeightingArgument) -> Weighting:
     >>> from keras_penalties.composite import weighting
     >>> weighting.get("famo")
     FAMO(learning_rate=0.025, gamma=0.01)
+    >>> weighting.get("Fixed")
+    Fixed()
     >>> weighting.get({"class_name": "uncertainty", "config": {"learning_rate_multiplier": 2.0}})
     Uncertainty(learning_rate_multiplier=2.0)
     """
@@ -358,12 +365,16 @@ def get(identifier: WeightingArgument) -> Weighting:
     if isinstance(identifier, Weighting):
         return identifier
     if isinstance(identifier, str):
-        if identifier not in RULES:
+        # As keras.optimizers.get: the name in any case ("famo", "FAMO").
+        if identifier.lower() not in RULES:
             raise ValueError(f"`weighting` must be one of {', '.join(map(repr, RULES))}; got {identifier!r}.")
-        return RULES[identifier]()
+        return RULES[identifier.lower()]()
     if isinstance(identifier, dict):
         known = {**{cls.__name__: cls for cls in RULES.values()}, **RULES}
-        rule = keras.saving.deserialize_keras_object(identifier, custom_objects=known)
+        try:
+            rule = keras.saving.deserialize_keras_object(identifier, custom_objects=known)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"`weighting` config could not be read as a Weighting rule: {error}") from error
         if not isinstance(rule, Weighting):
             raise TypeError(f"`weighting` config describes {type(rule).__name__}, not a Weighting rule.")
         return rule

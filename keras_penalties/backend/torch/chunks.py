@@ -1,6 +1,9 @@
 """Torch's chunk loops: `map_chunks` over formed logits, and `chunked_sum`
 and `chunked_values` over logits formed from hidden states, each an
-`autograd.Function` whose loop forms a chunk's gradient with its values."""
+`autograd.Function`: the first two form a chunk's gradient with its
+values; `chunked_values` forms none (but frozen heads' row Jacobians), and
+its backward pass runs `chunked_sum`'s loop with the upstream gradient as
+the weights."""
 
 import contextvars
 
