@@ -77,7 +77,7 @@ def map_chunks(fn, chunks, dtype):
             _, values, slopes = tf.while_loop(
                 lambda i, *_: i < count, step, start, parallel_iterations=1, maximum_iterations=count
             )
-            return values.stack(), {j: _stacked(s, xs[j], xla) for j, s in zip(wanted, slopes)}
+            return values.stack(), {j: s.stack() if xla else s for j, s in zip(wanted, slopes)}
 
         values, slopes = loop(wanted)
 
