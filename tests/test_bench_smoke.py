@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -303,3 +304,14 @@ def test_the_hand_written_transforms_compute_what_the_wrappers_do():
     ours = [centralization._transform(g, None) for g in tensors(grads)]
     for a, b in zip(ours, native.centralize(tensors(grads))):
         np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch", reason="torch traces nothing ahead of a call: the fingerprint is JAX's and TF's"
+)
+def test_the_graph_fingerprint_is_stable_and_tells_computations_apart():
+    from bench import graph_fingerprint
+
+    prints = {case: graph_fingerprint.fingerprint(case) for case in graph_fingerprint.CASES}
+    assert prints["kl_on_logits"] == graph_fingerprint.fingerprint("kl_on_logits")  # traced again: the same
+    assert len({str(p) for p in prints.values()}) == len(prints)  # three computations, three fingerprints
