@@ -251,16 +251,14 @@ if _BACKEND not in ("jax", "tensorflow", "torch"):
     raise ImportError(
         f"keras_penalties supports the jax, tensorflow and torch backends; the current Keras backend is {_BACKEND!r}."
     )
-_chosen = {}
 for _concern, _names in CONTRACT.items():
     _module = importlib.import_module(f"keras_penalties.backend.{_BACKEND}.{_concern}")
-    _chosen.update({name: getattr(_module, name, getattr(common, name, None)) for name in _names})
     _missing = [name for name in _names if not hasattr(_module, name) and not hasattr(common, name)]
     if _missing:
         raise ImportError(
             f"neither keras_penalties.backend.{_BACKEND}.{_concern} nor backend.common defines {', '.join(_missing)}"
         )
-globals().update(_chosen)
+    globals().update({name: getattr(_module if hasattr(_module, name) else common, name) for name in _names})
 __all__ = [name for names in CONTRACT.values() for name in names]
 
 if TYPE_CHECKING:

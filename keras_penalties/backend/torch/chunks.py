@@ -32,22 +32,9 @@ class _MapChunks(torch.autograd.Function):
         slopes = {j: torch.empty(chunks[j].shape, dtype=dtype, device=chunks[j].device) for j in wanted}
         values = []
         for i, chunk in enumerate(_chunk_rows(chunks, dtype)):
-            watched = [chunk[j].requires_grad_(True) for j in wanted]
-            with torch.enable_grad():
-                chunk_values = fn(tuple(chunk))
-                connected = watched and chunk_values.requires_grad
-                # A row's value depends on that row alone: the gradient of
-                # the chunk's sum is each row's gradient of its own value.
-                grads = (
-                    torch.autograd.grad(chunk_values.sum(), watched, allow_unused=True)
-                    if connected
-                    else [None] * len(watched)
-                )
-            for j, g in zip(wanted, grads):
-                if g is None:
-                    slopes[j][i].zero_()
-                else:
-                    slopes[j][i] = g
+            # A row's value depends on that row alone: the gradient of the
+            # chunk's sum is each row's gradient of its own value.
+            chunk_values = _chunk_grads_into(slopes, i, fn, chunk, wanted)
             values.append(chunk_values.detach())
         ctx.fn, ctx.compute, ctx.wanted = fn, dtype, wanted
         ctx.dtypes = [c.dtype for c in chunks]
@@ -80,26 +67,35 @@ def _chunk_rows(chunks, dtype):
         yield [x.to(dtype) if x.is_floating_point() else x for x in chunk]
 
 
+def _chunk_grads_into(buffers, i, fn, chunk, wanted, upstream=None):
+    """`fn(chunk)`, with its gradient w.r.t. the `wanted` tensors of the
+    chunk (that of its sum, or with `upstream` the chunk's upstream
+    gradient) written into row `i` of their `buffers` (zeros where a
+    tensor is not connected)."""
+    watched = [chunk[j].requires_grad_(True) for j in wanted]
+    with torch.enable_grad():
+        chunk_values = fn(tuple(chunk))
+        grads = [None] * len(watched)
+        if watched and chunk_values.requires_grad:
+            if upstream is None:
+                grads = torch.autograd.grad(chunk_values.sum(), watched, allow_unused=True)
+            else:
+                grads = torch.autograd.grad(chunk_values, watched, upstream.to(chunk_values.dtype), allow_unused=True)
+    for j, g in zip(wanted, grads):
+        if g is None:
+            buffers[j][i].zero_()
+        else:
+            buffers[j][i] = g
+    return chunk_values
+
+
 def _recomputed_grads(fn, chunks, wanted, dtype, upstream):
     """The gradients of Σ upstream·fn(chunk) w.r.t. the `wanted` inputs,
     each chunk computed again (its forward-made rows went to an earlier
     backward pass)."""
     grads = {j: torch.empty(chunks[j].shape, dtype=dtype, device=chunks[j].device) for j in wanted}
     for i, chunk in enumerate(_chunk_rows(chunks, dtype)):
-        watched = [chunk[j].requires_grad_(True) for j in wanted]
-        with torch.enable_grad():
-            chunk_values = fn(tuple(chunk))
-            connected = watched and chunk_values.requires_grad
-            chunk_grads = (
-                torch.autograd.grad(chunk_values, watched, upstream[i].to(chunk_values.dtype), allow_unused=True)
-                if connected
-                else [None] * len(watched)
-            )
-        for j, g in zip(wanted, chunk_grads):
-            if g is None:
-                grads[j][i].zero_()
-            else:
-                grads[j][i] = g
+        _chunk_grads_into(grads, i, fn, chunk, wanted, upstream[i])
     return grads
 
 
